@@ -1,0 +1,76 @@
+# specpair: one Makefile for the runtime, the operator and their tests.
+# Everything installs into ./.venv; one-time builds and downloads are cached
+# under $(SPECPAIR_CACHE) (outside the repo) so a fresh clone reuses them.
+
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+SPECPAIR_CACHE ?= $(HOME)/.cache/specpair
+export SPECPAIR_CACHE
+# Shared 2-core machines: busy-waiting OpenMP threads slow matmuls 10-75x.
+export OMP_WAIT_POLICY ?= PASSIVE
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; specpair needs Python 3.11" >&2; exit 2; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[runtime,operator,dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+.PHONY: install
+install: $(STAMP) ## Create ./.venv and install everything (idempotent)
+
+.PHONY: models
+models: install ## Fetch, verify and convert the real Qwen2.5-Coder pair into the cache
+	$(PY) scripts/fetch_models.py
+
+.PHONY: control-plane
+control-plane: install ## Build (once) etcd, kube-apiserver, controller-manager, kubectl, helm
+	$(PY) scripts/control_plane.py build
+
+.PHONY: run
+run: models ## Demo: stream a support-chat completion from the real pair, with speedup
+	$(PY) scripts/demo.py
+
+.PHONY: test
+test: models control-plane ## Run the whole test suite (starts and stops the control plane)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+.PHONY: test-fast
+test-fast: install ## Unit tests only
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+.PHONY: lint
+lint: install ## ruff and mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy runtime/specpair_runtime operator/specpair_operator tests bench scripts
+
+.PHONY: format
+format: install ## Apply ruff's formatter and fixes
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+.PHONY: crds
+crds: install ## Regenerate the CRD YAML from the operator's pydantic models
+	$(PY) -m specpair_operator crds --output crds/specpair.dev_speculativepairs.yaml
+
+.PHONY: bench
+bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair
+	$(PY) bench/bench_engine.py
+
+.PHONY: clean
+clean: ## Remove the venv and caches inside the repo (not $(SPECPAIR_CACHE))
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

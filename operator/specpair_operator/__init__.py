@@ -1,0 +1,1 @@
+"""specpair operator: reconciles SpeculativePair objects."""

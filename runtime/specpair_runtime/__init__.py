@@ -1,0 +1,1 @@
+"""specpair runtime: the bundled speculative-decoding runtime."""

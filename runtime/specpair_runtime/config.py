@@ -1,0 +1,185 @@
+"""The runtime config file: the contract between the operator and the runtime.
+
+The operator renders this file into a ConfigMap; the runtime loads it with
+``specpair-runtime serve --config FILE``. This module is a *contract module*:
+it must never import torch, transformers, kopf or kubernetes.
+
+YAML keys are lowerCamelCase (Kubernetes style); Python attributes are
+snake_case. Unknown keys are rejected so that a typo names its field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Quantization = Literal["none", "int8-dynamic"]
+
+
+class ContractModel(BaseModel):
+    """Base for contract models: camelCase aliases, no unknown fields."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+    def to_wire(self) -> dict[str, object]:
+        """The camelCase dict that goes into YAML/JSON."""
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+class PairInfo(ContractModel):
+    name: str = Field(min_length=1, description="Name of the SpeculativePair.")
+    version: str = Field(min_length=1, description="The pair's version label.")
+
+
+class ModelSpec(ContractModel):
+    """Where one model of the pair comes from and how it is loaded."""
+
+    source: str = Field(
+        min_length=1,
+        description=(
+            "A local directory in Hugging Face layout, a .gguf file, "
+            "pvc://claim/path (mounted at /models/<claim>/<path>), or hf://org/name."
+        ),
+    )
+    revision: str | None = Field(default=None, description="Model revision (hf:// only).")
+    gguf_file: str | None = Field(
+        default=None, description="GGUF file name inside `source` when it is a directory."
+    )
+    dtype: Dtype = Field(
+        default="auto",
+        description="Weights dtype; auto picks float32 on the CPU and bfloat16 on CUDA.",
+    )
+    quantization: Quantization = Field(
+        default="none",
+        description=(
+            "Weight quantization. int8-dynamic quantizes Linear layers for the CPU; "
+            "only allowed for the draft, so the target's output never changes."
+        ),
+    )
+
+
+class SpeculationKnobs(ContractModel):
+    """Knobs the runtime applies live, without a restart."""
+
+    enabled: bool = Field(default=True, description="Speculate at all.")
+    max_depth: int = Field(default=4, ge=1, le=16, description="Max tokens drafted per step.")
+    min_depth: int = Field(default=1, ge=1, le=16, description="Min depth for adaptive depth.")
+    adaptive: bool = Field(default=True, description="Depth follows the measured acceptance.")
+    disable_above_batch_size: int | None = Field(
+        default=None, ge=1, description="Pause speculation while the running batch is larger."
+    )
+    acceptance_floor: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Rolling acceptance below this turns speculation off (0 disables).",
+    )
+    acceptance_window: int = Field(
+        default=64, ge=1, description="Speculation steps in the rolling acceptance window."
+    )
+    memory_pressure_threshold: float = Field(
+        default=0.95,
+        gt=0.0,
+        le=1.0,
+        description="Above this fraction of device memory in use, stop speculating.",
+    )
+
+    @model_validator(mode="after")
+    def _depth_order(self) -> SpeculationKnobs:
+        if self.min_depth > self.max_depth:
+            raise ValueError(
+                f"minDepth ({self.min_depth}) must be <= maxDepth ({self.max_depth})"
+            )
+        return self
+
+
+class OutputFilter(ContractModel):
+    """A deny-list applied to verified text only."""
+
+    deny_patterns: list[str] = Field(
+        default_factory=list, description="Regexes; a match ends the response (content_filter)."
+    )
+
+
+class ServingOptions(ContractModel):
+    host: str = Field(default="127.0.0.1", description="Address to bind.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port to bind.")
+    max_batch_size: int = Field(default=8, ge=1, description="Max running requests.")
+    max_model_length: int = Field(default=2048, ge=16, description="Prompt + output tokens.")
+    max_waiting_requests: int = Field(default=64, ge=0, description="Queue bound; then 429.")
+    api_key_file: str | None = Field(default=None, description="File holding the Bearer key.")
+    golden_prompts_file: str | None = Field(
+        default=None, description="Golden-prompt file checked before /readyz turns ready."
+    )
+    output_filter: OutputFilter | None = Field(default=None, description="Verified-text filter.")
+    drain_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="SIGTERM: how long in-flight requests may finish."
+    )
+
+
+class RuntimeConfig(ContractModel):
+    """The whole runtime config file."""
+
+    pair: PairInfo
+    target: ModelSpec
+    draft: ModelSpec
+    speculation: SpeculationKnobs = Field(default_factory=SpeculationKnobs)
+    serving: ServingOptions = Field(default_factory=ServingOptions)
+
+    @model_validator(mode="after")
+    def _target_unquantized(self) -> RuntimeConfig:
+        if self.target.quantization != "none":
+            raise ValueError(
+                "target.quantization must be 'none': only the draft may be quantized, "
+                "so the output keeps the target's distribution"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the field."""
+
+
+def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming its field path in camelCase."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"]) or "(root)"
+        lines.append(f"{prefix}{loc}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def parse_runtime_config(data: object) -> RuntimeConfig:
+    """Validate a decoded YAML/JSON document; raise ConfigError naming the field."""
+    try:
+        return RuntimeConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+
+
+def load_runtime_config(path: Path) -> RuntimeConfig:
+    """Read and validate a runtime config file."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    return parse_runtime_config(data)
+
+
+def dump_runtime_config(config: RuntimeConfig) -> str:
+    """Render the config as YAML (what the operator writes into a ConfigMap)."""
+    return yaml.safe_dump(config.to_wire(), sort_keys=False)

@@ -1,0 +1,113 @@
+"""The engine's public, step-based API.
+
+The CLI (one-shot batches) and the server (continuous batching) both drive
+the engine through this interface:
+
+    engine.add_request(request_id, prompt_ids, params)
+    while engine.has_unfinished():
+        for event in engine.step():   # one speculation round for every running request
+            ...                       # event.token_ids / event.text are target-verified
+
+Requests may join (``add_request``) and leave (``abort``) between steps.
+``step`` never returns an unverified draft token: every token in a
+``StepEvent`` has been accepted by the target (accepted, recovered or bonus
+token, in vLLM's vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from specpair_runtime.config import SpeculationKnobs
+
+FinishReason = Literal["stop", "length", "content_filter", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature == 0 means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one request got from one engine step (all of it verified)."""
+
+    request_id: str
+    token_ids: list[int]  # newly committed tokens (may be empty while text is held back)
+    text: str  # newly releasable text; a possible stop-string prefix is held back
+    drafted: int  # draft tokens proposed for this request in this step (0 = no speculation)
+    accepted: int  # of those, how many the target accepted (accepted positions 0..accepted-1)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class RequestStats:
+    """Cumulative per-request statistics."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_passes: int = 0
+    speculation_steps: int = 0
+    generated_tokens: int = 0
+    elapsed_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per speculation step: accepted / steps + 1."""
+        if not self.speculation_steps:
+            return 0.0
+        return self.accepted_tokens / self.speculation_steps + 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.elapsed_seconds if self.elapsed_seconds else 0.0
+
+
+class Engine(Protocol):
+    """What the server and the CLI need from the decoding engine."""
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; it joins the running batch at the next step."""
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its KV cache slots. Unknown ids are ignored."""
+
+    def step(self) -> list[StepEvent]:
+        """Run one decoding round for all running requests."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self, request_id: str) -> RequestStats:
+        """Stats of a running or just-finished request."""
+
+    def update_knobs(self, knobs: SpeculationKnobs) -> None:
+        """Apply new live knobs (depth, adaptive, floor, ...) from the next step on."""
+
+    def set_speculation_paused(self, reason: str | None) -> None:
+        """Pause speculation for a reason (e.g. 'memory_pressure', 'batch_size'); None resumes.
+
+        While paused for memory pressure the engine also frees the draft's KV caches
+        and re-prefills the draft lazily on resume.
+        """
+
+    @property
+    def speculation_active(self) -> bool:
+        """False when speculation is off for any reason (knobs, alignment, floor, pause)."""
