@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.support.k8s_fixtures"]
+
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

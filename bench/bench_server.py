@@ -1,0 +1,307 @@
+"""Load benchmark: N concurrent streaming clients against ``specpair-runtime serve``.
+
+Starts the server as a real subprocess on loopback, once with speculation on
+and once with it off, and drives it with httpx clients. Reports throughput
+(completion tokens/s) and p50/p95/p99 of TTFT and ITL per concurrency level,
+and the goal ratio: p99 ITL at the highest concurrency / p99 ITL of one stream
+(goal <= 1.5).
+
+ITL is the gap between consecutive SSE chunks of one stream, as a client sees
+it. With speculation one chunk carries every token of an accept step, so the
+per-chunk gap is also reported divided by the mean tokens per chunk.
+
+    python bench/bench_server.py --tiny                       # tiny models built in code
+    python bench/bench_server.py --config runtime.yaml --streams 1,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "Hello, how can I help you",
+    "My order has not arrived yet and",
+    "Please share your order number so",
+    "The refund will appear on your card",
+    "Can I change the delivery address",
+    "def add(a, b):",
+    "for i in range(10):",
+    "one two three four five",
+]
+
+
+@dataclass
+class StreamResult:
+    ttft: float
+    gaps: list[float]
+    chunks: int
+    tokens: int
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    streams: int
+    wall_seconds: float
+    results: list[StreamResult] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.results)
+
+    def summary(self) -> dict[str, Any]:
+        ttft = [r.ttft for r in self.results]
+        gaps = [g for r in self.results for g in r.gaps]
+        chunks = sum(r.chunks for r in self.results)
+        tokens_per_chunk = self.tokens / chunks if chunks else 0.0
+        return {
+            "mode": self.mode,
+            "streams": self.streams,
+            "requests": len(self.results),
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.wall_seconds, 1),
+            "ttft_ms": percentiles(ttft),
+            "itl_ms": percentiles(gaps),
+            "tokens_per_chunk": round(tokens_per_chunk, 2),
+            "itl_per_token_p50_ms": round(
+                percentiles(gaps)["p50"] / tokens_per_chunk if tokens_per_chunk else 0.0, 2
+            ),
+        }
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        ordered = ordered * 2
+    cuts = statistics.quantiles(ordered, n=100, method="inclusive")
+    return {
+        "p50": round(cuts[49] * 1000, 2),
+        "p95": round(cuts[94] * 1000, 2),
+        "p99": round(cuts[98] * 1000, 2),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def tiny_config(directory: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from tests.support.tiny_models import save_pair
+
+    target, draft = save_pair(directory)
+    return {
+        "pair": {"name": "tiny", "version": "bench"},
+        "target": {"source": str(target), "dtype": "float32"},
+        "draft": {"source": str(draft), "dtype": "float32"},
+        "speculation": {"maxDepth": 4},
+    }
+
+
+async def one_stream(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int
+) -> StreamResult:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "seed": seed,
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    last = start
+    gaps: list[float] = []
+    chunks = 0
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:") :].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            now = time.perf_counter()
+            if chunk["choices"][0]["text"]:
+                chunks += 1
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return StreamResult(ttft=(first or last) - start, gaps=gaps, chunks=chunks, tokens=tokens)
+
+
+async def run_level(
+    base_url: str, mode: str, streams: int, requests_per_stream: int, max_tokens: int
+) -> LevelResult:
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+
+        async def client_loop(index: int) -> list[StreamResult]:
+            out = []
+            for round_ in range(requests_per_stream):
+                prompt = PROMPTS[(index + round_) % len(PROMPTS)]
+                out.append(await one_stream(client, prompt, max_tokens, index))
+            return out
+
+        start = time.perf_counter()
+        per_client = await asyncio.gather(*(client_loop(i) for i in range(streams)))
+        wall = time.perf_counter() - start
+    level = LevelResult(mode, streams, wall)
+    for results in per_client:
+        level.results.extend(results)
+    return level
+
+
+def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            body = httpx.get(f"{base_url}/readyz", timeout=5).json()
+            if body["ready"]:
+                return
+            if body["phase"] == "failed":
+                raise RuntimeError(f"server not ready: {body['reason']}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server not ready in time")
+
+
+def bench_mode(
+    config: dict[str, Any], mode: str, args: argparse.Namespace, workdir: Path
+) -> list[LevelResult]:
+    port = free_port()
+    speculation = {**config.get("speculation", {}), "enabled": mode == "speculation"}
+    serving = {
+        **config.get("serving", {}),
+        "host": "127.0.0.1",
+        "port": port,
+        "maxBatchSize": max(args.streams),
+    }
+    path = workdir / f"config-{mode}.yaml"
+    path.write_text(yaml.safe_dump({**config, "speculation": speculation, "serving": serving}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    log_path = workdir / f"server-{mode}.log"
+    command = [sys.executable, "-m", "specpair_runtime", "serve", "--config", str(path)]
+    if args.device:
+        command += ["--device", args.device]
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, process, args.ready_timeout)
+        # Warm-up: first-call overheads must not land in the measurements.
+        asyncio.run(run_level(base_url, mode, 1, 1, args.max_tokens))
+        return [
+            asyncio.run(run_level(base_url, mode, n, args.requests_per_stream, args.max_tokens))
+            for n in args.streams
+        ]
+    except Exception:
+        print(log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+        raise
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def print_table(levels: list[LevelResult]) -> None:
+    header = (
+        f"{'mode':<12} {'streams':>7} {'tok/s':>8} {'ttft p50':>9} {'p95':>8} {'p99':>8} "
+        f"{'itl p50':>8} {'p95':>8} {'p99':>8} {'tok/chunk':>9}"
+    )
+    print(header)
+    for level in levels:
+        s = level.summary()
+        t, i = s["ttft_ms"], s["itl_ms"]
+        print(
+            f"{s['mode']:<12} {s['streams']:>7} {s['tokens_per_s']:>8} {t['p50']:>9} "
+            f"{t['p95']:>8} {t['p99']:>8} {i['p50']:>8} {i['p95']:>8} {i['p99']:>8} "
+            f"{s['tokens_per_chunk']:>9}"
+        )
+    print("(latencies in ms; ITL = gap between SSE chunks of one stream)")
+
+
+def goal_ratios(levels: list[LevelResult]) -> dict[str, float]:
+    """p99 ITL at the highest concurrency over the single-stream p99, per mode."""
+    ratios = {}
+    for mode in sorted({level.mode for level in levels}):
+        mine = sorted((lv for lv in levels if lv.mode == mode), key=lambda lv: lv.streams)
+        single, top = mine[0].summary(), mine[-1].summary()
+        if single["streams"] == 1 and single["itl_ms"]["p99"] > 0:
+            ratios[mode] = round(top["itl_ms"]["p99"] / single["itl_ms"]["p99"], 2)
+    return ratios
+
+
+def parse_streams(text: str) -> list[int]:
+    values = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {text!r}")
+    return values
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="runtime config file of the pair")
+    source.add_argument("--tiny", action="store_true", help="build the tiny test pair")
+    parser.add_argument("--streams", type=parse_streams, default=[1, 8], metavar="N,N")
+    parser.add_argument("--requests-per-stream", type=int, default=4, metavar="N")
+    parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    parser.add_argument("--modes", default="speculation,target-only", metavar="M,M")
+    parser.add_argument("--device", help="passed to serve --device")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
+        workdir = Path(tmp)
+        config = tiny_config(workdir) if args.tiny else yaml.safe_load(args.config.read_text())
+        levels: list[LevelResult] = []
+        for mode in args.modes.split(","):
+            levels += bench_mode(config, mode.strip(), args, workdir)
+    print_table(levels)
+    ratios = goal_ratios(levels)
+    for mode, ratio in ratios.items():
+        verdict = "meets" if ratio <= 1.5 else "misses"
+        print(f"{mode}: p99 ITL at {max(args.streams)} streams = {ratio}x single ({verdict} 1.5x)")
+    if args.json:
+        payload = {"levels": [lv.summary() for lv in levels], "p99_itl_ratio": ratios}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

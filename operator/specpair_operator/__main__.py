@@ -1,0 +1,179 @@
+"""``python -m specpair_operator``: run the operator, write the CRD, or plan VRAM offline.
+
+    run   [--namespace NS ...] [--metrics-port N] [--metrics-address A]
+          [--peering NAME [--priority N]] [--resync-seconds S] [--liveness URL]
+    crds  --output FILE
+    plan  -f pair.yaml [--gpu-memory 80Gi] [--json]
+
+Bad input prints one line naming the field and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specpair_operator import crd
+from specpair_operator.api import SpecError, parse_spec
+from specpair_operator.headroom import DeviceMemory, device_memory, parse_quantity, plan_for_spec
+from specpair_runtime.planner import gib
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """Bad input; the message names the field or flag."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpair-operator", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="Run the operator")
+    env_ns = os.environ.get("SPECPAIR_WATCH_NAMESPACES", "")
+    run.add_argument(
+        "--namespace",
+        action="append",
+        default=[n for n in env_ns.split(",") if n],
+        help="Watch only this namespace (repeatable; env SPECPAIR_WATCH_NAMESPACES, comma "
+        "separated). Default: all namespaces.",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("SPECPAIR_METRICS_PORT", "8080")),
+        help="Port of /metrics (0 = off; env SPECPAIR_METRICS_PORT).",
+    )
+    run.add_argument(
+        "--metrics-address",
+        default=os.environ.get("SPECPAIR_METRICS_ADDRESS", "127.0.0.1"),
+        help="Address of /metrics; use 0.0.0.0 in a pod (env SPECPAIR_METRICS_ADDRESS).",
+    )
+    run.add_argument(
+        "--peering",
+        default=os.environ.get("SPECPAIR_PEERING") or None,
+        help="kopf peering name for HA (needs kopf's peering CRDs); default: standalone.",
+    )
+    run.add_argument("--priority", type=int, default=0, help="kopf peering priority.")
+    run.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=float(os.environ.get("SPECPAIR_RESYNC_SECONDS", "15")),
+        help="Interval of the level-based resync timer.",
+    )
+    run.add_argument(
+        "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
+    )
+
+    crds = sub.add_parser("crds", help="Write the CRD YAML generated from the API models")
+    crds.add_argument("--output", required=True, type=Path, help="File to write.")
+
+    plan = sub.add_parser("plan", help="Print the VRAM plan of a SpeculativePair offline")
+    plan.add_argument("-f", "--file", required=True, type=Path, help="SpeculativePair YAML.")
+    plan.add_argument("--gpu-memory", default=None, help="Memory of one GPU, e.g. 80Gi.")
+    plan.add_argument("--json", action="store_true", help="Print JSON.")
+    return parser
+
+
+def _load_spec_document(path: Path) -> object:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise UsageError(f"-f {path}: cannot read: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise UsageError(f"-f {path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"-f {path}: expected a SpeculativePair object")
+    # A whole SpeculativePair object or a bare spec.
+    return data.get("spec", data)
+
+
+def plan_command(path: Path, gpu_memory: str | None) -> dict[str, Any]:
+    """The plan as the JSON-ready dict that ``plan --json`` prints."""
+    try:
+        spec = parse_spec(_load_spec_document(path))
+    except SpecError as error:
+        raise UsageError(str(error)) from None
+    if gpu_memory is not None:
+        try:
+            device = DeviceMemory(
+                parse_quantity(gpu_memory, field="--gpu-memory"), "--gpu-memory", cuda=True
+            )
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    else:
+        found = device_memory(spec)
+        if found is None:
+            field = (
+                "spec.resources.memory" if spec.resources.gpus == 0 else "spec.resources.gpuMemory"
+            )
+            raise UsageError(f"{field}: not set; pass --gpu-memory (e.g. 80Gi)")
+        device = found
+    result = plan_for_spec(spec, device)
+    return {
+        "mode": result.mode,
+        "requiredBytes": result.required_bytes,
+        "deviceBytes": result.device_bytes,
+        "headroomBytes": result.headroom_bytes,
+        "reason": result.reason,
+    }
+
+
+def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(plan, indent=2))
+        return
+    print(f"mode:     {plan['mode']}")
+    print(f"required: {gib(plan['requiredBytes'])} ({plan['requiredBytes']} bytes)")
+    print(f"device:   {gib(plan['deviceBytes'])} ({plan['deviceBytes']} bytes)")
+    print(f"headroom: {gib(plan['headroomBytes'])} ({plan['headroomBytes']} bytes)")
+    print(f"reason:   {plan['reason']}")
+
+
+def _run_operator(args: argparse.Namespace) -> None:
+    # handlers.py reads these at import; set them first.
+    os.environ["SPECPAIR_RESYNC_SECONDS"] = str(args.resync_seconds)
+    os.environ["SPECPAIR_METRICS_PORT"] = str(args.metrics_port)
+    os.environ["SPECPAIR_METRICS_ADDRESS"] = args.metrics_address
+    os.environ["SPECPAIR_WATCH_NAMESPACES"] = ",".join(args.namespace)
+    import kopf
+
+    import specpair_operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=False)
+    kopf.run(
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        priority=args.priority,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "crds":
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(crd.render_crd())
+            print(f"wrote {args.output}")
+        elif args.command == "plan":
+            _print_plan(plan_command(args.file, args.gpu_memory), args.json)
+        else:
+            _run_operator(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Thin kopf handlers: every trigger runs the same level-based `reconcile.reconcile`.
+
+Create, update and resume react at once. A resync thread re-runs the pass
+over every pair every ``SPECPAIR_RESYNC_SECONDS`` to pick up Deployment
+progress, node labels and drift. It is a plain thread, not a kopf timer: kopf
+puts a finalizer on every object with a timer or daemon, and the operator
+needs none (children go with the pair by garbage collection through their
+ownerReferences). kopf keeps its progress in annotations (``specpair.dev/*``),
+never in undeclared status fields; the status is written by the pass itself,
+through ``/status``.
+
+Settings come from the environment so that ``kopf run -m
+specpair_operator.handlers`` and ``python -m specpair_operator run`` behave
+the same: ``SPECPAIR_RESYNC_SECONDS`` (15), ``SPECPAIR_WATCH_NAMESPACES``
+(comma separated; empty = all), ``SPECPAIR_METRICS_PORT`` (0 = off),
+``SPECPAIR_METRICS_ADDRESS`` (127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from specpair_operator import api, metrics
+from specpair_operator.events import post_event
+from specpair_operator.kube import Kube, load_api_client, path_for
+from specpair_operator.reconcile import ChildConflict, reconcile
+
+RESYNC_SECONDS = float(os.environ.get("SPECPAIR_RESYNC_SECONDS", "15"))
+RETRYABLE = {404, 409, 429, 500, 502, 503, 504}
+
+
+log = logging.getLogger("specpair.operator")
+
+
+def watched_namespaces() -> list[str]:
+    return [n for n in os.environ.get("SPECPAIR_WATCH_NAMESPACES", "").split(",") if n]
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration"
+    )
+    # kopf's own "Handler succeeded" events would be a write per pass; ours are explicit.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    memo.kube = Kube(load_api_client())
+    memo.locks = {}
+    memo.locks_guard = threading.Lock()
+    memo.stop = threading.Event()
+    memo.resync = threading.Thread(
+        target=_resync_loop,
+        args=(memo, memo.stop, RESYNC_SECONDS, watched_namespaces()),
+        name="specpair-resync",
+        daemon=True,
+    )
+    memo.resync.start()
+    port = int(os.environ.get("SPECPAIR_METRICS_PORT", "0"))
+    if port:
+        metrics.serve(port, os.environ.get("SPECPAIR_METRICS_ADDRESS", "127.0.0.1"))
+
+
+@kopf.on.cleanup()
+def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    memo.stop.set()
+    memo.resync.join(timeout=10)
+
+
+def _lock(memo: kopf.Memo, uid: str) -> threading.Lock:
+    with memo.locks_guard:
+        lock: threading.Lock = memo.locks.setdefault(uid, threading.Lock())
+        return lock
+
+
+def _reconcile(trigger: str, body: dict[str, Any], memo: kopf.Memo) -> None:
+    """One pass with metrics; raises what the pass raised."""
+    started = time.monotonic()
+    kube: Kube = memo.kube
+
+    def emit(type_: str, reason: str, message: str) -> None:
+        post_event(kube, body, type_, reason, message)
+
+    try:
+        with _lock(memo, body["metadata"]["uid"]):
+            result = reconcile(kube, body, emit)
+    except ApiException as error:
+        metrics.ERRORS.labels(kind=str(error.status)).inc()
+        metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
+        raise
+    except ChildConflict:
+        metrics.ERRORS.labels(kind="ChildConflict").inc()
+        metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
+        raise
+    finally:
+        metrics.LATENCY.observe(time.monotonic() - started)
+    metrics.RECONCILES.labels(trigger=trigger, result="ok").inc()
+    if result.writes:
+        meta = body["metadata"]
+        log.info(f"{trigger} {meta['namespace']}/{meta['name']}: {', '.join(result.writes)}")
+
+
+def _list_pairs(kube: Kube, namespaces: list[str]) -> list[dict[str, Any]]:
+    if not namespaces:
+        return kube.list(path_for(api.API_VERSION, api.PLURAL, None))
+    pairs: list[dict[str, Any]] = []
+    for namespace in namespaces:
+        pairs += kube.list(path_for(api.API_VERSION, api.PLURAL, namespace))
+    return pairs
+
+
+def _resync_loop(
+    memo: kopf.Memo, stop: threading.Event, interval: float, namespaces: list[str]
+) -> None:
+    """Level-based resync of every pair; errors are logged and retried next round."""
+    while not stop.wait(interval):
+        try:
+            pairs = _list_pairs(memo.kube, namespaces)
+        except Exception as error:  # the API may be briefly unreachable
+            metrics.ERRORS.labels(kind=type(error).__name__).inc()
+            log.warning(f"resync: cannot list pairs: {error}")
+            continue
+        for body in pairs:
+            if body["metadata"].get("deletionTimestamp"):
+                continue
+            try:
+                _reconcile("resync", body, memo)
+            except Exception as error:  # one bad pair must not stop the others
+                meta = body["metadata"]
+                log.warning(f"resync {meta['namespace']}/{meta['name']}: {error}")
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+def on_change(body: kopf.Body, memo: kopf.Memo, retry: int, reason: str, **_: Any) -> None:
+    try:
+        _reconcile(str(reason), copy.deepcopy(dict(body)), memo)
+    except ApiException as error:
+        if error.status in RETRYABLE:
+            # Exponential backoff, capped; kopf retries the handler.
+            raise kopf.TemporaryError(
+                f"API {error.status} {error.reason}; retrying", delay=min(2.0**retry, 60.0)
+            ) from error
+        raise
+    except ChildConflict as error:
+        raise kopf.TemporaryError(str(error), delay=60) from error

@@ -1,0 +1,55 @@
+"""The pair revision: one hash of everything that must move together.
+
+One pod template carries the whole pair, so a new revision rolls both models
+out at once. The hash covers (camelCase spec paths):
+
+- ``version``;
+- ``target`` and ``draft``: ``source``, ``revision``, ``ggufFile``, ``dtype``,
+  ``quantization``. The tokenizer and the chat template live in the model
+  directory, so the source and its revision pin them;
+- ``runtimeImage``;
+- ``serving`` and ``goldenPrompts``: they are in the runtime config file,
+  which the runtime reads only at start;
+- whether the draft is loaded at all (the placement: ``Colocated`` loads it,
+  ``TargetOnly`` does not), because that changes what the pod loads.
+
+It leaves out what can change without moving the models: ``replicas``,
+``rollout``, ``resources``, ``scheduling``, the size hints, and the live
+``speculation`` knobs, which the runtime applies without a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from specpair_operator.api import PairModel, SpeculativePairSpec
+
+REVISION_LENGTH = 10
+_MODEL_FIELDS = {"source", "revision", "gguf_file", "dtype", "quantization"}
+
+
+def _model_identity(model: PairModel) -> dict[str, object]:
+    return model.model_dump(include=_MODEL_FIELDS, by_alias=True, mode="json")
+
+
+def revision_inputs(spec: SpeculativePairSpec, *, draft_loaded: bool) -> dict[str, object]:
+    """The exact document that is hashed (defaults filled in by the model)."""
+    golden = spec.golden_prompts
+    return {
+        "version": spec.version,
+        "target": _model_identity(spec.target),
+        "draft": _model_identity(spec.draft),
+        "runtimeImage": spec.runtime_image,
+        "serving": spec.serving.model_dump(by_alias=True, mode="json"),
+        "goldenPrompts": None if golden is None else golden.model_dump(by_alias=True, mode="json"),
+        "draftLoaded": draft_loaded,
+    }
+
+
+def compute_revision(spec: SpeculativePairSpec, *, draft_loaded: bool) -> str:
+    """A short, stable hex hash (a valid label value and name suffix)."""
+    canonical = json.dumps(
+        revision_inputs(spec, draft_loaded=draft_loaded), sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]

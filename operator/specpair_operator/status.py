@@ -1,0 +1,193 @@
+"""The pair's status, computed from the plan and the observed Deployment (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from specpair_operator.conditions import (
+    DEGRADED,
+    HEADROOM_SUFFICIENT,
+    PROGRESSING,
+    READY,
+    ConditionUpdate,
+    merge_conditions,
+)
+from specpair_operator.headroom import DeviceMemory
+from specpair_runtime.planner import Plan, gib
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything one reconcile pass learnt, as input to `build_status`."""
+
+    generation: int
+    revision: str | None
+    plan: Plan | None
+    device: DeviceMemory | None
+    deployment: Mapping[str, Any] | None
+    spec_error: str | None = None
+    gpus: int = 1
+
+
+def placement(plan: Plan, device: DeviceMemory) -> dict[str, Any]:
+    return {
+        "mode": plan.mode,
+        "requiredBytes": plan.required_bytes,
+        "deviceBytes": plan.device_bytes,
+        "headroomBytes": plan.headroom_bytes,
+        "reason": plan.reason,
+        "target": {
+            "weightsBytes": plan.target.weights_bytes,
+            "kvCacheBytes": plan.target.kv_cache_bytes,
+        },
+        "draft": {
+            "weightsBytes": plan.draft.weights_bytes,
+            "kvCacheBytes": plan.draft.kv_cache_bytes,
+        },
+        "overheadBytes": plan.overhead_bytes,
+        "deviceSource": device.source,
+    }
+
+
+def _deployment_condition(dep: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    for cond in (dep.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+def rollout_complete(dep: Mapping[str, Any], revision: str | None) -> bool:
+    """The Deployment runs ``revision`` on all its replicas, all available."""
+    meta, spec, status = dep.get("metadata") or {}, dep.get("spec") or {}, dep.get("status") or {}
+    template_labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+    wanted = spec.get("replicas", 1)
+    return (
+        template_labels.get("specpair.dev/revision") == revision
+        and status.get("observedGeneration", 0) >= meta.get("generation", 0)
+        and status.get("updatedReplicas", 0) == wanted
+        and status.get("availableReplicas", 0) == wanted
+        and status.get("replicas", 0) == wanted
+    )
+
+
+def _headroom(obs: Observation) -> ConditionUpdate:
+    if obs.plan is None:
+        where = (
+            "spec.resources.memory"
+            if obs.gpus == 0
+            else "spec.resources.gpuMemory, or label the GPU nodes with nvidia.com/gpu.memory"
+        )
+        return ConditionUpdate(
+            HEADROOM_SUFFICIENT,
+            "Unknown",
+            "DeviceMemoryUnknown",
+            f"device memory unknown: set {where}",
+        )
+    if obs.plan.mode == "Colocated":
+        return ConditionUpdate(HEADROOM_SUFFICIENT, "True", "Colocated", obs.plan.reason)
+    return ConditionUpdate(HEADROOM_SUFFICIENT, "False", obs.plan.mode, obs.plan.reason)
+
+
+def _workload(obs: Observation) -> list[ConditionUpdate]:
+    """Ready, Progressing and Degraded from the Deployment."""
+    dep = obs.deployment
+    if obs.spec_error is not None:
+        return [
+            ConditionUpdate(DEGRADED, "True", "InvalidSpec", obs.spec_error),
+            ConditionUpdate(PROGRESSING, "False", "InvalidSpec", "fix the spec to continue"),
+        ]
+    if obs.plan is not None and obs.plan.mode == "DoesNotFit":
+        message = (
+            f"{obs.plan.reason}; required {obs.plan.required_bytes} bytes "
+            f"({gib(obs.plan.required_bytes)}), device {obs.plan.device_bytes} bytes "
+            f"({gib(obs.plan.device_bytes)}); no Deployment is created"
+        )
+        ups = [
+            ConditionUpdate(DEGRADED, "True", "DoesNotFit", message),
+            ConditionUpdate(PROGRESSING, "False", "DoesNotFit", "the target does not fit the GPU"),
+        ]
+        if dep is None:
+            ups.append(ConditionUpdate(READY, "False", "DoesNotFit", "no Deployment"))
+        return ups
+    if dep is None:
+        return [
+            ConditionUpdate(
+                READY, "False", "DeploymentMissing", "the Deployment is not created yet"
+            ),
+            ConditionUpdate(PROGRESSING, "True", "Creating", "creating the Deployment"),
+            ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
+        ]
+    status = dep.get("status") or {}
+    wanted = (dep.get("spec") or {}).get("replicas", 1)
+    available = status.get("availableReplicas", 0)
+    if wanted == 0:
+        ready = ConditionUpdate(READY, "False", "ScaledToZero", "spec.replicas is 0")
+    elif available >= wanted:
+        ready = ConditionUpdate(
+            READY, "True", "Available", f"{available}/{wanted} replicas available"
+        )
+    else:
+        ready = ConditionUpdate(
+            READY, "False", "ReplicasUnavailable", f"{available}/{wanted} replicas available"
+        )
+    progressing_dep = _deployment_condition(dep, "Progressing")
+    if progressing_dep is not None and progressing_dep.get("reason") == "ProgressDeadlineExceeded":
+        message = f"revision {obs.revision}: {progressing_dep.get('message', '')}".strip()
+        return [
+            ready,
+            ConditionUpdate(PROGRESSING, "False", "ProgressDeadlineExceeded", message),
+            ConditionUpdate(DEGRADED, "True", "ProgressDeadlineExceeded", message),
+        ]
+    if rollout_complete(dep, obs.revision):
+        progressing = ConditionUpdate(
+            PROGRESSING, "False", "RolloutComplete", f"revision {obs.revision} is rolled out"
+        )
+    else:
+        updated = status.get("updatedReplicas", 0)
+        progressing = ConditionUpdate(
+            PROGRESSING,
+            "True",
+            "RollingOut",
+            f"revision {obs.revision}: {updated}/{wanted} replicas updated, {available} available",
+        )
+    return [
+        ready,
+        progressing,
+        ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
+    ]
+
+
+def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime) -> dict[str, Any]:
+    """The full status the operator wants; fields it does not own (acceptance) are kept."""
+    updates = [_headroom(obs), *_workload(obs)] if obs.spec_error is None else _workload(obs)
+    old_conditions: Sequence[dict[str, Any]] = previous.get("conditions") or []
+    conditions = merge_conditions(old_conditions, updates, generation=obs.generation, now=now)
+    order = {t: i for i, t in enumerate((READY, PROGRESSING, DEGRADED, HEADROOM_SUFFICIENT))}
+    conditions.sort(key=lambda c: order.get(str(c["type"]), len(order)))
+    dep = obs.deployment
+    dep_status = (dep or {}).get("status") or {}
+    current = previous.get("currentRevision")
+    if dep is not None and rollout_complete(dep, obs.revision):
+        current = obs.revision
+    result: dict[str, Any] = {
+        "observedGeneration": obs.generation,
+        "conditions": conditions,
+        "currentRevision": current,
+        "placement": None
+        if obs.plan is None or obs.device is None
+        else placement(obs.plan, obs.device),
+        "replicas": dep_status.get("replicas", 0) if dep is not None else 0,
+        "readyReplicas": dep_status.get("readyReplicas", 0) if dep is not None else 0,
+    }
+    if obs.spec_error is not None:
+        # Keep what was last known instead of inventing a placement for a bad spec.
+        result["placement"] = previous.get("placement")
+    return result
+
+
+def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch from ``current`` to ``desired`` (only owned keys); empty: no write."""
+    return {k: v for k, v in desired.items() if current.get(k) != v}

@@ -1,0 +1,348 @@
+"""``specpair-runtime bench``: target-only vs specpair vs transformers assisted generation.
+
+All modes run on the same loaded pair, the same prompts and in the same
+process, so the ratios compare like with like. Speed is measured, never
+asserted; greedy identity with target-only decoding is reported per mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.oneshot import run_request
+from specpair_runtime.engine.pair import LoadedPair
+from specpair_runtime.engine.prompting import encode_prompt
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = (
+    "My order #4417 has not arrived yet and the tracking page shows no update. What can I do?",
+    "How do I return a pair of shoes that are too small? Please keep it short.",
+    "Summarize in two sentences: the refund appears on the card within five business days.",
+)
+TARGET_ONLY = "target-only"
+HF_ASSISTED = "hf-assisted"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    prompts: list[str] | None = None  # None: DEFAULT_PROMPTS
+    chat: bool = True
+    max_new_tokens: int = 32
+    depths: list[int] = field(default_factory=lambda: [4])
+    adaptive: bool = True
+    hf_assisted: bool = True
+    repeats: int = 1
+
+    @property
+    def prompt_texts(self) -> list[str]:
+        return list(self.prompts) if self.prompts else list(DEFAULT_PROMPTS)
+
+
+@dataclass
+class ModeResult:
+    """One decoding mode over all prompts (and repeats)."""
+
+    mode: str
+    depth: int | None  # fixed depth, or the cap for adaptive; None for target-only
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int | None = 0  # None where the mode does not report it (HF assisted)
+    accepted: int | None = 0
+    target_passes: int = 0
+    identical: bool = True  # token ids equal target-only's on every prompt
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if self.drafted is None or self.accepted is None:
+            return None
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.tokens / self.target_passes if self.target_passes else 0.0
+
+
+@dataclass
+class BenchResult:
+    settings: BenchSettings
+    modes: list[ModeResult]
+    machine: dict[str, object]
+
+    def mode(self, name: str) -> ModeResult | None:
+        return next((m for m in self.modes if m.mode == name), None)
+
+    def ratio(self, mode: ModeResult, baseline: str) -> float | None:
+        base = self.mode(baseline)
+        if base is None or not base.tokens_per_second:
+            return None
+        return mode.tokens_per_second / base.tokens_per_second
+
+    def to_dict(self) -> dict[str, object]:
+        rows = []
+        for m in self.modes:
+            rows.append(
+                {
+                    "mode": m.mode,
+                    "depth": m.depth,
+                    "tokens": m.tokens,
+                    "seconds": m.seconds,
+                    "tokens_per_second": m.tokens_per_second,
+                    "drafted_tokens": m.drafted,
+                    "accepted_tokens": m.accepted,
+                    "acceptance_rate": m.acceptance_rate,
+                    "target_passes": m.target_passes,
+                    "tokens_per_target_pass": m.tokens_per_target_pass,
+                    "vs_target_only": self.ratio(m, TARGET_ONLY),
+                    "vs_hf_assisted": self.ratio(m, HF_ASSISTED),
+                    "identical_to_target_only": m.identical,
+                }
+            )
+        settings = asdict(self.settings)
+        settings["prompts"] = self.settings.prompt_texts
+        return {"settings": settings, "machine": self.machine, "modes": rows}
+
+
+def machine_info(pair: LoadedPair) -> dict[str, object]:
+    draft = pair.draft
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "device": str(pair.target.device),
+        "target": f"{pair.target.name} ({_dtype_name(pair.target.dtype)})",
+        "draft": (
+            f"{draft.name} ({_dtype_name(draft.dtype)}, quantization {draft.quantization})"
+            if draft is not None
+            else "none"
+        ),
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _CallCounter:
+    """Counts forward calls of a module (target passes for HF assisted generation)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def stop_token_ids(pair: LoadedPair) -> list[int]:
+    """EOS ids for HF generate: the tokenizer's plus the generation config's."""
+    ids: set[int] = set()
+    if pair.target.tokenizer.eos_token_id is not None:
+        ids.add(int(pair.target.tokenizer.eos_token_id))
+    configured = getattr(pair.target.model.generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    return sorted(ids)
+
+
+def run_hf_assisted(pair: LoadedPair, prompt_ids: list[int], max_new_tokens: int) -> ModeResult:
+    """transformers' assisted generation (``assistant_model=``) with library defaults."""
+    from transformers import GenerationConfig
+
+    assert pair.draft is not None
+    target = pair.target
+    ids = torch.tensor([prompt_ids], device=target.device)
+    config = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_token_ids(pair),
+        pad_token_id=target.tokenizer.pad_token_id
+        if target.tokenizer.pad_token_id is not None
+        else stop_token_ids(pair)[0],
+    )
+    counter = _CallCounter(target.model)
+    try:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = target.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                assistant_model=pair.draft.model,
+                generation_config=config,
+            )
+        seconds = time.perf_counter() - started
+    finally:
+        counter.close()
+    new_ids = [int(i) for i in output[0, len(prompt_ids) :].tolist()]
+    return ModeResult(
+        HF_ASSISTED,
+        None,
+        tokens=len(new_ids),
+        seconds=seconds,
+        drafted=None,
+        accepted=None,
+        target_passes=counter.calls,
+        outputs=[new_ids],
+    )
+
+
+def run_engine_mode(
+    pair: LoadedPair,
+    mode: str,
+    knobs: SpeculationKnobs | None,
+    prompts: list[list[int]],
+    settings: BenchSettings,
+) -> ModeResult:
+    """Decode every prompt greedily with one engine configuration (None: target-only)."""
+    engine = pair.engine(speculate=knobs is not None, knobs=knobs)
+    params = SamplingParams(max_new_tokens=settings.max_new_tokens)
+    run_request(engine, prompts[0], SamplingParams(max_new_tokens=2))  # warm-up, untimed
+    result = ModeResult(mode, knobs.max_depth if knobs is not None else None)
+    for _ in range(settings.repeats):
+        for prompt in prompts:
+            started = time.perf_counter()
+            completion = run_request(engine, prompt, params)
+            result.seconds += time.perf_counter() - started
+            stats = completion.stats
+            result.tokens += len(completion.token_ids)
+            result.drafted = (result.drafted or 0) + stats.drafted_tokens
+            result.accepted = (result.accepted or 0) + stats.accepted_tokens
+            result.target_passes += stats.target_passes
+            result.outputs.append(completion.token_ids)
+    log.info("%s: %.2f tokens/s", mode, result.tokens_per_second)
+    return result
+
+
+def run_hf_mode(pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings) -> ModeResult:
+    run_hf_assisted(pair, prompts[0], 2)  # warm-up, untimed
+    total = ModeResult(HF_ASSISTED, None, drafted=None, accepted=None)
+    for _ in range(settings.repeats):
+        for prompt in prompts:
+            one = run_hf_assisted(pair, prompt, settings.max_new_tokens)
+            total.tokens += one.tokens
+            total.seconds += one.seconds
+            total.target_passes += one.target_passes
+            total.outputs += one.outputs
+    log.info("%s: %.2f tokens/s", HF_ASSISTED, total.tokens_per_second)
+    return total
+
+
+def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
+    """Run every mode on the same prompts; identity is checked against target-only."""
+    tokenizer = pair.target.tokenizer
+    prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
+    modes = [run_engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
+    for depth in settings.depths:
+        knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
+        modes.append(run_engine_mode(pair, f"specpair k={depth}", knobs, prompts, settings))
+    if settings.adaptive:
+        cap = max(settings.depths)
+        knobs = SpeculationKnobs(max_depth=cap, adaptive=True)
+        modes.append(run_engine_mode(pair, f"specpair adaptive<={cap}", knobs, prompts, settings))
+    if settings.hf_assisted:
+        modes.append(run_hf_mode(pair, prompts, settings))
+    reference = modes[0].outputs
+    for mode in modes[1:]:
+        mode.identical = mode.outputs == reference
+    return BenchResult(settings, modes, machine_info(pair))
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "n/a" if value is None else format(value, pattern)
+
+
+def format_table(result: BenchResult) -> str:
+    """A plain-text table: tokens/s, acceptance, tokens per target pass and the ratios."""
+    header = (
+        "mode",
+        "tokens",
+        "tok/s",
+        "accept",
+        "tok/pass",
+        "vs target",
+        "vs HF",
+        "identical",
+    )
+    rows = [header]
+    for m in result.modes:
+        rows.append(
+            (
+                m.mode,
+                str(m.tokens),
+                f"{m.tokens_per_second:.2f}",
+                _fmt(m.acceptance_rate, ".2f"),
+                f"{m.tokens_per_target_pass:.2f}",
+                _fmt(result.ratio(m, TARGET_ONLY), ".2f") + "x",
+                _fmt(result.ratio(m, HF_ASSISTED), ".2f") + "x",
+                "yes" if m.identical else "NO",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    s = result.settings
+    lines[:0] = [
+        f"{len(s.prompt_texts)} prompts x {s.repeats} repeats, {s.max_new_tokens} new tokens, "
+        f"greedy, chat template {'on' if s.chat else 'off'}",
+        ", ".join(f"{key}: {value}" for key, value in result.machine.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """tokens/s and acceptance per fixed depth, with the baselines as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must come before pyplot
+    import matplotlib.pyplot as plt
+
+    fixed = [m for m in result.modes if m.mode.startswith("specpair k=")]
+    depths = [m.depth or 0 for m in fixed]
+    figure, speed_axis = plt.subplots(figsize=(7, 4.5))
+    speed_axis.plot(depths, [m.tokens_per_second for m in fixed], "o-", label="specpair tokens/s")
+    styles = {TARGET_ONLY: "--", HF_ASSISTED: ":"}
+    for m in result.modes:
+        if m.mode in styles or m.mode.startswith("specpair adaptive"):
+            speed_axis.axhline(
+                m.tokens_per_second, linestyle=styles.get(m.mode, "-."), color="gray", alpha=0.8
+            )
+            speed_axis.annotate(
+                m.mode, (depths[0] if depths else 1, m.tokens_per_second), fontsize=8
+            )
+    speed_axis.set_xlabel("draft depth k (tokens drafted per step)")
+    speed_axis.set_ylabel("tokens/s")
+    speed_axis.set_ylim(bottom=0)
+    speed_axis.set_xticks(depths)
+    acceptance_axis: Any = speed_axis.twinx()
+    acceptance_axis.plot(
+        depths, [m.acceptance_rate or 0.0 for m in fixed], "s-", color="tab:orange"
+    )
+    acceptance_axis.set_ylabel("acceptance (accepted / drafted)", color="tab:orange")
+    acceptance_axis.set_ylim(0, 1.05)
+    speed_axis.set_title("specpair: speed and acceptance per depth")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

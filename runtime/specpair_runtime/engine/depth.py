@@ -1,0 +1,274 @@
+"""Depth control: how many tokens each request drafts in a step.
+
+The depth of request r in a step is
+
+    depth(r) = min(heuristic(r), batch_cap(B), cost_cap)       (0 = no drafting)
+
+1. ``heuristic(r)`` (HF's ``num_assistant_tokens_schedule="heuristic"``):
+   starts at ``maxDepth``; +2 after a step where every drafted token was
+   accepted, -1 otherwise; clamped to [``minDepth``, ``maxDepth``]. With
+   ``adaptive: false`` it stays at ``maxDepth``.
+2. ``batch_cap(B)`` (TensorRT-LLM's ``draft_len_schedule`` idea: bigger
+   batches are closer to compute-bound, so verifying drafts costs more):
+   ``maxDepth`` at batch size 1, halved at each doubling of the batch size
+   (``maxDepth >> floor(log2 B)``), never below ``minDepth``; 0 above
+   ``disableAboveBatchSize``.
+3. ``cost_cap`` (only with ``adaptive``): the depth with the best measured
+   throughput. The engine times its steps: seconds per draft forward
+   ``t_d``, and seconds per target forward over n query tokens ``t_v(n)``
+   (n = 1 is a plain target-only step), per batch size, as moving averages.
+   With the acceptance rate a_i of draft position i (given that every
+   earlier one was accepted, decayed counts), the expected tokens per step
+   at depth d are ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` and the modelled
+   throughput is ``E(d) / (d * t_d + t_v(d + 1))``. Unmeasured ``t_v(n)``
+   are interpolated linearly from the measured ones (flat while only n = 1
+   is known, which is optimistic, so speculation gets measured). The cap is
+   the best d; if target-only (``1 / t_v(1)``) is at least as fast, the cap
+   is 0 and the engine decodes target-only, re-probing speculation after
+   16 steps, then 32, 64, ... (at most 256) while it keeps losing. While
+   speculating it probes one target-only step when ``t_v(1)`` is unknown
+   (after the first speculation step) and every 64 speculation steps.
+4. ``acceptanceFloor`` / ``acceptanceWindow``: once the last ``window``
+   speculation steps (engine-wide) have drafted tokens and accepted fewer
+   than ``floor`` of them, speculation turns off for the whole engine with a
+   reason, until the knobs change. A floor of 0 disables this rule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specpair_runtime.config import SpeculationKnobs
+
+EMA_WEIGHT = 0.3  # weight of the newest timing sample
+ACCEPTANCE_DECAY = 0.98  # per step, so acceptance follows drift
+PROBE_TARGET_EVERY = 64  # speculation steps between target-only probes
+FIRST_BACKOFF = 16  # target-only steps before re-probing speculation
+MAX_BACKOFF = 256
+
+
+def next_heuristic_depth(depth: int, drafted: int, accepted: int, knobs: SpeculationKnobs) -> int:
+    """HF's heuristic schedule: +2 when every drafted token was accepted, else -1."""
+    if not knobs.adaptive:
+        return knobs.max_depth
+    if drafted == 0:
+        return max(knobs.min_depth, min(depth, knobs.max_depth))
+    stepped = depth + 2 if accepted == drafted else depth - 1
+    return max(knobs.min_depth, min(stepped, knobs.max_depth))
+
+
+def batch_depth_cap(batch_size: int, knobs: SpeculationKnobs) -> int:
+    """Depth cap for a running batch of ``batch_size`` requests (0 = do not speculate)."""
+    if knobs.disable_above_batch_size is not None and batch_size > knobs.disable_above_batch_size:
+        return 0
+    halvings = max(batch_size, 1).bit_length() - 1
+    return max(knobs.min_depth, knobs.max_depth >> halvings)
+
+
+@dataclass
+class AcceptanceFloor:
+    """Rolling engine-wide acceptance over the last ``window`` speculation steps."""
+
+    window: int
+    steps: deque[tuple[int, int]] = field(default_factory=deque)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.steps.append((drafted, accepted))
+        while len(self.steps) > self.window:
+            self.steps.popleft()
+
+    @property
+    def rate(self) -> float | None:
+        drafted = sum(d for d, _ in self.steps)
+        return sum(a for _, a in self.steps) / drafted if drafted else None
+
+    def verdict(self, floor: float) -> str | None:
+        """A reason to turn speculation off, or None."""
+        rate = self.rate
+        if floor <= 0.0 or len(self.steps) < self.window or rate is None or rate >= floor:
+            return None
+        return (
+            f"acceptance_floor: rolling acceptance {rate:.3f} over the last {self.window} "
+            f"speculation steps is below acceptanceFloor {floor:.3f}"
+        )
+
+
+def _ema(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * sample
+
+
+def expected_tokens(acceptance: list[float], depth: int) -> float:
+    """Expected committed tokens per step at ``depth``: 1 + sum_j prod_{i<=j} a_i."""
+    total, run = 1.0, 1.0
+    for position in range(depth):
+        run *= acceptance[position] if position < len(acceptance) else 0.0
+        total += run
+    return total
+
+
+def interpolate(points: dict[int, float], n: int) -> float | None:
+    """t(n) from measured points: exact, else linear between/beyond neighbours."""
+    if n in points:
+        return points[n]
+    if not points:
+        return None
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    below = [x for x in xs if x < n]
+    above = [x for x in xs if x > n]
+    if below and above:
+        lo, hi = below[-1], above[0]
+    elif below:
+        lo, hi = below[-2] if len(below) > 1 else below[-1], below[-1]
+    else:
+        lo, hi = above[0], above[1]
+    if lo == hi:
+        return points[lo]
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return max(points[lo] + slope * (n - lo), 0.0)
+
+
+@dataclass
+class CostModel:
+    """Measured step costs and per-position acceptance; picks the cost cap."""
+
+    draft_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> s/forward
+    verify_seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # B -> n -> s
+    reached: list[float] = field(default_factory=list)  # position i drafted, all before accepted
+    accepted: list[float] = field(default_factory=list)  # position i accepted
+    steps_since_target_probe: int = 0
+    target_only_streak: int = 0
+    backoff: int = FIRST_BACKOFF
+
+    def record_draft(self, batch_size: int, seconds_per_forward: float) -> None:
+        old = self.draft_seconds.get(batch_size)
+        self.draft_seconds[batch_size] = _ema(old, seconds_per_forward)
+
+    def record_verify(self, batch_size: int, query_tokens: int, seconds: float) -> None:
+        table = self.verify_seconds.setdefault(batch_size, {})
+        table[query_tokens] = _ema(table.get(query_tokens), seconds)
+        if query_tokens == 1:
+            self.steps_since_target_probe = 0
+
+    def record_acceptance(self, drafted: int, accepted: int) -> None:
+        """One row's outcome: ``accepted`` leading tokens of ``drafted``."""
+        while len(self.reached) < drafted:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for position in range(min(drafted, accepted + 1)):
+            self.reached[position] += 1.0
+            if position < accepted:
+                self.accepted[position] += 1.0
+
+    def decay(self) -> None:
+        self.reached = [r * ACCEPTANCE_DECAY for r in self.reached]
+        self.accepted = [a * ACCEPTANCE_DECAY for a in self.accepted]
+
+    def acceptance(self, depth: int) -> list[float]:
+        """a_i per position, with a Beta(1, 1) prior; unseen positions reuse the last one."""
+        rates: list[float] = []
+        for position in range(depth):
+            if position < len(self.reached) and self.reached[position] >= 1.0:
+                rates.append((self.accepted[position] + 1.0) / (self.reached[position] + 2.0))
+            else:
+                rates.append(rates[-1] if rates else 0.5)
+        return rates
+
+    def throughput(self, batch_size: int, depth: int) -> float | None:
+        """Modelled tokens per second per row at ``depth`` (0 = target-only)."""
+        table = self.verify_seconds.get(batch_size, {})
+        verify = interpolate(table, depth + 1)
+        if verify is None:
+            return None
+        if depth == 0:
+            return 1.0 / verify if verify > 0 else None
+        draft = self.draft_seconds.get(batch_size)
+        if draft is None:
+            return None
+        cost = depth * draft + verify
+        return expected_tokens(self.acceptance(depth), depth) / cost if cost > 0 else None
+
+    def cost_cap(self, batch_size: int, min_depth: int, max_depth: int) -> int:
+        """The modelled best depth in [min_depth, max_depth], or 0 when target-only wins."""
+        baseline = self.throughput(batch_size, 0)
+        best_depth, best_rate = max_depth, None
+        for depth in range(min_depth, max_depth + 1):
+            rate = self.throughput(batch_size, depth)
+            if rate is None:
+                return max_depth  # not measured yet: speculate to measure
+            if best_rate is None or rate > best_rate:
+                best_depth, best_rate = depth, rate
+        if baseline is not None and best_rate is not None and baseline >= best_rate:
+            return 0
+        return best_depth
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The engine's decision for one step."""
+
+    cap: int  # depth cap for this step (0 = target-only)
+    reason: str | None  # why the cap is 0 (None when speculating)
+
+
+@dataclass
+class DepthController:
+    """Engine-wide depth decisions (per-request heuristics live with the requests)."""
+
+    knobs: SpeculationKnobs
+    cost: CostModel = field(default_factory=CostModel)
+    floor: AcceptanceFloor = field(init=False)
+    speculation_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.floor = AcceptanceFloor(self.knobs.acceptance_window)
+
+    def update_knobs(self, knobs: SpeculationKnobs) -> None:
+        """New knobs reset the floor window (a tripped floor is re-evaluated afresh)."""
+        self.knobs = knobs
+        self.floor = AcceptanceFloor(knobs.acceptance_window)
+        self.cost.backoff = FIRST_BACKOFF
+        self.cost.target_only_streak = 0
+
+    def plan(self, batch_size: int) -> StepPlan:
+        """Depth cap for the next step, before per-request heuristics."""
+        cap = batch_depth_cap(batch_size, self.knobs)
+        if cap == 0:
+            return StepPlan(0, "batch_size")
+        if not self.knobs.adaptive:
+            return StepPlan(cap, None)
+        cost = self.cost
+        table = cost.verify_seconds.get(batch_size, {})
+        probe_target = (1 not in table and self.speculation_steps >= 1) or (
+            cost.steps_since_target_probe >= PROBE_TARGET_EVERY
+        )
+        if probe_target:
+            return StepPlan(0, "probe")
+        cost_cap = cost.cost_cap(batch_size, min(self.knobs.min_depth, cap), cap)
+        if cost_cap == 0:
+            if cost.target_only_streak < cost.backoff:
+                return StepPlan(0, "not_paying")
+            # Re-probe speculation; back off further if it still loses.
+            cost.backoff = min(cost.backoff * 2, MAX_BACKOFF)
+            cost.target_only_streak = 0
+            return StepPlan(max(self.knobs.min_depth, 1), None)
+        cost.backoff = FIRST_BACKOFF
+        return StepPlan(cost_cap, None)
+
+    def record_target_only_step(self, reason: str | None) -> None:
+        if reason == "not_paying":
+            self.cost.target_only_streak += 1
+
+    def record_speculation_step(self, drafted: int, accepted: int) -> None:
+        """Engine-wide totals of one speculation step (all rows)."""
+        self.speculation_steps += 1
+        self.cost.steps_since_target_probe += 1
+        self.cost.decay()
+        self.floor.record(drafted, accepted)
+
+    def floor_verdict(self) -> str | None:
+        return self.floor.verdict(self.knobs.acceptance_floor)

@@ -1,0 +1,75 @@
+"""Load a target/draft pair, check alignment and build the engine: one way for CLI and server."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specpair_runtime.config import ModelSpec, SpeculationKnobs
+from specpair_runtime.engine.alignment import AlignmentReport, check_alignment
+from specpair_runtime.engine.loading import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from specpair_runtime.engine.speculative import SpeculativeEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedPair:
+    target: LoadedModel
+    draft: LoadedModel | None
+    alignment: AlignmentReport | None  # None when no draft was loaded
+    knobs: SpeculationKnobs
+
+    @property
+    def speculation_refused(self) -> str | None:
+        """Why this pair can never speculate (no draft, misaligned), or None."""
+        if self.draft is None:
+            return "no draft model loaded"
+        assert self.alignment is not None
+        return self.alignment.refusal_reason
+
+    def engine(
+        self, *, speculate: bool = True, knobs: SpeculationKnobs | None = None
+    ) -> SpeculativeEngine:
+        """A fresh engine over the loaded models; ``speculate=False`` gives target-only.
+
+        ``knobs`` overrides the pair's knobs for this engine (the bench sweeps depths).
+        """
+        from specpair_runtime.engine.speculative import SpeculativeEngine
+
+        chosen = knobs if knobs is not None else self.knobs
+        if not speculate or self.draft is None:
+            return SpeculativeEngine(self.target, None, chosen)
+        return SpeculativeEngine(
+            self.target, self.draft, chosen, speculation_refused=self.speculation_refused
+        )
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> AlignmentReport:
+    """Alignment of two loaded models (tokenizers, plus each model's logits width)."""
+    return check_alignment(
+        target.tokenizer, draft.tokenizer, target_model=target.model, draft_model=draft.model
+    )
+
+
+def load_pair(
+    target_spec: ModelSpec,
+    draft_spec: ModelSpec | None,
+    knobs: SpeculationKnobs,
+    device: str | None = None,
+) -> LoadedPair:
+    """Load both models on one device (never split: moving activations erases the gain)."""
+    target = load_model(target_spec, "target", device)
+    draft = None
+    alignment = None
+    if draft_spec is not None:
+        draft = load_model(draft_spec, "draft", str(target.device))
+        alignment = check_pair(target, draft)
+        for problem in alignment.problems:
+            log.warning("alignment: %s", problem)
+        if not alignment.aligned:
+            log.warning("speculation refused; decoding with the target only")
+    return LoadedPair(target, draft, alignment, knobs)

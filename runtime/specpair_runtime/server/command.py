@@ -1,0 +1,84 @@
+"""``specpair-runtime serve --config FILE``: flags override the file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from specpair_runtime.config import RuntimeConfig, load_runtime_config, parse_runtime_config
+
+log = logging.getLogger("specpair.server")
+
+# flag dest -> key under `serving` in the config file
+SERVING_FLAGS = {
+    "host": "host",
+    "port": "port",
+    "max_batch_size": "maxBatchSize",
+    "max_model_length": "maxModelLength",
+    "max_waiting_requests": "maxWaitingRequests",
+    "api_key_file": "apiKeyFile",
+    "golden_prompts_file": "goldenPromptsFile",
+    "drain_timeout_seconds": "drainTimeoutSeconds",
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
+    serve = subparsers.add_parser("serve", help="serve the pair over an OpenAI-compatible API")
+    serve.add_argument("--config", type=Path, required=True, metavar="FILE", help="runtime config")
+    serve.add_argument("--host", help="address to bind (serving.host)")
+    serve.add_argument("--port", type=int, help="port to bind (serving.port)")
+    serve.add_argument("--max-batch-size", type=int, metavar="N", help="serving.maxBatchSize")
+    serve.add_argument("--max-model-length", type=int, metavar="N", help="serving.maxModelLength")
+    serve.add_argument(
+        "--max-waiting-requests", type=int, metavar="N", help="serving.maxWaitingRequests"
+    )
+    serve.add_argument("--api-key-file", metavar="FILE", help="serving.apiKeyFile")
+    serve.add_argument("--golden-prompts-file", metavar="FILE", help="serving.goldenPromptsFile")
+    serve.add_argument(
+        "--drain-timeout-seconds", type=float, metavar="S", help="serving.drainTimeoutSeconds"
+    )
+    serve.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
+    serve.add_argument(
+        "--reload-interval", type=float, default=2.0, metavar="S",
+        help="seconds between config file checks for live knob changes",
+    )  # fmt: skip
+    serve.set_defaults(handler=cmd_serve)
+
+
+def apply_overrides(config: RuntimeConfig, overrides: dict[str, object]) -> RuntimeConfig:
+    """The config with flag values (dest -> value, None = not given) merged into serving.
+
+    Re-validated as a whole, so a bad flag value is reported under its field name.
+    """
+    wire = config.to_wire()
+    serving = dict(wire.get("serving") or {})  # type: ignore[call-overload]
+    for dest, key in SERVING_FLAGS.items():
+        value = overrides.get(dest)
+        if value is not None:
+            serving[key] = value
+    wire["serving"] = serving
+    return parse_runtime_config(wire)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported here: `--help` and the other commands must not pay for them.
+    from specpair_runtime.server.auth import load_api_key
+    from specpair_runtime.server.runner import build_server
+    from specpair_runtime.server.startup import start_loader, stop_serving
+    from specpair_runtime.server.state import ServerState
+
+    logging.getLogger("specpair").setLevel(logging.INFO)
+    config = apply_overrides(load_runtime_config(args.config), vars(args))
+    serving = config.serving
+    api_key = load_api_key(Path(serving.api_key_file)) if serving.api_key_file else None
+    state = ServerState(config, config_path=args.config, api_key=api_key, device=args.device)
+    server = build_server(state, serving.host, serving.port)
+    start_loader(state, args.reload_interval)
+    log.info("serving pair %s on %s:%d", config.pair.name, serving.host, serving.port)
+    try:
+        server.run()
+    finally:
+        stop_serving(state)
+    return 0

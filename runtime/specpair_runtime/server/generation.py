@@ -1,0 +1,156 @@
+"""One request's generation as seen from the HTTP side.
+
+The engine thread pushes ``Update``s into an asyncio queue; ``chunks()`` turns
+them into releasable pieces. Only ``StepEvent.text`` is ever released, which
+the engine fills with target-verified tokens after the stop-string hold-back,
+and the output filter sees exactly what is about to be released, before it
+is released. A generator that is closed early (client gone) aborts the
+request so that its batch slot frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from specpair_runtime.engine.api import FinishReason, SamplingParams
+from specpair_runtime.server.filters import OutputFilter
+from specpair_runtime.server.scheduler import Scheduler, Submission, Update
+from specpair_runtime.server.schemas import SpeculationStats, Usage
+
+log = logging.getLogger("specpair.server")
+
+
+class GenerationError(RuntimeError):
+    """The engine failed the request (or the server stopped under it)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Releasable text of one accept step; ``finish_reason`` set on the last chunk."""
+
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class Generation:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        output_filter: OutputFilter,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+    ) -> None:
+        self.scheduler = scheduler
+        self.output_filter = output_filter
+        self.request_id = request_id
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.steps = 0
+        self.released = ""
+        self._queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._finished = False
+        self._submission = Submission(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            sink=self._sink,
+            priority=priority,
+        )
+
+    def _sink(self, update: Update) -> None:
+        # Called on the engine thread.
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+
+    def submit(self) -> None:
+        """Queue the request now (raises QueueFull), before any response starts."""
+        self.scheduler.submit(self._submission)
+
+    def abort(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.scheduler.abort(self.request_id)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return SpeculationStats(
+            drafted=self.drafted, accepted=self.accepted, acceptance_rate=rate, steps=self.steps
+        )
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """One chunk per accept step with text; the last one carries the finish reason."""
+        try:
+            while True:
+                update = await self._queue.get()
+                if update.error is not None:
+                    self._finished = True
+                    raise GenerationError(update.error)
+                event = update.event
+                if event is None:
+                    continue
+                self.completion_tokens += len(event.token_ids)
+                if event.drafted:
+                    self.drafted += event.drafted
+                    self.accepted += event.accepted
+                    self.steps += 1
+                text = event.text
+                if text:
+                    refusal = self.output_filter.check(self.released + text)
+                    if refusal is not None:
+                        log.info(
+                            "request %s stopped by the output filter: %s", self.request_id, refusal
+                        )
+                        self.abort()
+                        yield Chunk("", "content_filter")
+                        return
+                    self.released += text
+                if event.finished:
+                    self._finished = True
+                    yield Chunk(text, event.finish_reason or "stop")
+                    return
+                if text:
+                    yield Chunk(text)
+        finally:
+            # Closed early (client disconnect, cancellation): free the slot.
+            self.abort()
+
+    async def collect(self, disconnected: asyncio.Event) -> tuple[str, FinishReason]:
+        """The whole text; aborts when ``disconnected`` is set first."""
+        parts: list[str] = []
+        finish: FinishReason = "abort"
+
+        async def consume() -> None:
+            nonlocal finish
+            async for chunk in self.chunks():
+                parts.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(disconnected.wait())
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+                self.abort()
+        if consumer.done() and not consumer.cancelled():
+            consumer.result()  # re-raise a GenerationError
+        return "".join(parts), finish

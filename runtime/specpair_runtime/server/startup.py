@@ -1,0 +1,105 @@
+"""Background startup: load the pair, check it, then start serving.
+
+Runs in its own thread after the server listens, so /healthz answers and
+/readyz says what is happening while the models load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from specpair_runtime.config import ConfigError
+from specpair_runtime.engine.golden_check import run_golden
+from specpair_runtime.engine.pair import LoadedPair, load_pair
+from specpair_runtime.golden import load_golden
+from specpair_runtime.server.memory import MemoryProbe
+from specpair_runtime.server.reload import ConfigWatcher
+from specpair_runtime.server.scheduler import Scheduler
+from specpair_runtime.server.state import ServerState
+
+log = logging.getLogger("specpair.startup")
+
+
+def model_length_limit(pair: LoadedPair, configured: int) -> int:
+    """The configured max model length, capped by the target's position table."""
+    positions = getattr(pair.target.model.config, "max_position_embeddings", None)
+    return min(configured, int(positions)) if positions else configured
+
+
+def golden_failure(state: ServerState, pair: LoadedPair) -> str | None:
+    """Run the configured golden prompts; the reason they fail, or None."""
+    path = state.config.serving.golden_prompts_file
+    if path is None:
+        return None
+    try:
+        golden = load_golden(Path(path))
+    except ConfigError as error:
+        return f"golden prompts file invalid: {error}"
+    state.readiness.set("golden_prompts", f"running {len(golden.prompts)} golden prompts")
+    report = run_golden(golden, pair)
+    if report.passed:
+        log.info("golden prompts passed (%d)", len(report.results))
+        return None
+    return "golden prompts failed: " + "; ".join(report.failures())
+
+
+def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> None:
+    """Load, check and start the engine thread; readiness says how far it got."""
+    config = state.config
+    try:
+        state.readiness.set("loading", "loading the target and draft models")
+        pair = load_pair(config.target, config.draft, config.speculation, state.device)
+        state.readiness.set("checking_alignment", "checking the draft against the target")
+        refused = pair.speculation_refused
+        if refused is not None:
+            state.readiness.set("failed", refused)
+            log.error("not ready: %s", refused)
+            return
+        failure = golden_failure(state, pair)
+        if failure is not None:
+            state.readiness.set("failed", failure)
+            log.error("not ready: %s", failure)
+            return
+        if state.probe is None:
+            state.probe = MemoryProbe(str(pair.target.device))
+        state.max_model_length = model_length_limit(pair, config.serving.max_model_length)
+        state.tokenizer = pair.target.tokenizer
+        scheduler = Scheduler(
+            engine=pair.engine(),
+            knobs=config.speculation,
+            metrics=state.metrics,
+            probe=state.probe,
+            max_batch_size=config.serving.max_batch_size,
+            max_waiting=config.serving.max_waiting_requests,
+        )
+        scheduler.start()
+        state.scheduler = scheduler
+        if state.config_path is not None:
+            state.watcher = ConfigWatcher(
+                state.config_path, config, scheduler.update_knobs, watch_interval_seconds
+            )
+            state.watcher.start()
+        state.readiness.set("ready", "serving")
+        log.info("ready: pair %s version %s", config.pair.name, config.pair.version)
+    except Exception as error:
+        log.exception("startup failed")
+        state.readiness.set("failed", f"startup failed: {error}")
+
+
+def start_loader(state: ServerState, watch_interval_seconds: float = 2.0) -> threading.Thread:
+    thread = threading.Thread(
+        target=load_and_serve, args=(state, watch_interval_seconds), name="loader", daemon=True
+    )
+    state.loader = thread
+    thread.start()
+    return thread
+
+
+def stop_serving(state: ServerState) -> None:
+    """Stop the watcher and the engine thread (after the HTTP side drained)."""
+    if state.watcher is not None:
+        state.watcher.stop()
+    if state.scheduler is not None:
+        state.scheduler.stop()

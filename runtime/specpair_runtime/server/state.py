@@ -1,0 +1,48 @@
+"""Everything one server process holds, shared by the routes and the loader."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specpair_runtime.config import RuntimeConfig
+from specpair_runtime.server.filters import OutputFilter, build_filter
+from specpair_runtime.server.memory import MemoryProbe
+from specpair_runtime.server.metrics import ServerMetrics
+from specpair_runtime.server.readiness import Readiness
+from specpair_runtime.server.reload import ConfigWatcher
+from specpair_runtime.server.scheduler import Scheduler
+
+
+@dataclass
+class ServerState:
+    config: RuntimeConfig
+    config_path: Path | None = None
+    api_key: str | None = None
+    device: str | None = None  # None: CUDA when present, else the CPU
+    readiness: Readiness = field(default_factory=Readiness)
+    metrics: ServerMetrics = field(init=False)
+    output_filter: OutputFilter = field(init=False)
+    probe: MemoryProbe | None = None
+    # Set by the loader once the pair is ready to serve.
+    scheduler: Scheduler | None = None
+    tokenizer: Any = None
+    max_model_length: int = 0
+    watcher: ConfigWatcher | None = None
+    loader: threading.Thread | None = None
+    # Graceful shutdown: in-flight /v1 requests, and the drain flag.
+    draining: bool = False
+    in_flight: int = 0
+    idle: asyncio.Event | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.config.pair.name, self.config.pair.version)
+        self.output_filter = build_filter(self.config.serving.output_filter)
+        self.max_model_length = self.config.serving.max_model_length
+
+    @property
+    def model_id(self) -> str:
+        return self.config.pair.name

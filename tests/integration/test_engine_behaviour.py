@@ -1,0 +1,224 @@
+"""Engine behaviour: continuous batching, live knobs, pauses, floor, stops, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.api import SamplingParams, StepEvent
+from specpair_runtime.engine.speculative import SpeculativeEngine, generate
+from tests.support.tiny_models import TinyPair, as_loaded, build_pair
+
+NEW = 24
+GREEDY = SamplingParams(max_new_tokens=NEW)
+FIXED = SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False)
+TEXTS = ["Hello, how can I help", "My order has not", "The refund will", "one two three"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> TinyPair:
+    return build_pair("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair: TinyPair) -> list[list[int]]:
+    return [pair.tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+def _engine(
+    pair: TinyPair, knobs: SpeculationKnobs = FIXED, draft: bool = True
+) -> SpeculativeEngine:
+    tok = pair.tokenizer
+    return SpeculativeEngine(
+        as_loaded(pair.target, tok, "target"),
+        as_loaded(pair.draft, tok, "draft") if draft else None,
+        knobs,
+    )
+
+
+@pytest.fixture(scope="module")
+def alone(pair: TinyPair, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt decoded alone, target-only."""
+    engine = _engine(pair, draft=False)
+    return [generate(engine, [p], GREEDY)[0].token_ids for p in prompts]
+
+
+def _drain(engine: SpeculativeEngine, outputs: dict[str, list[int]]) -> list[StepEvent]:
+    events = engine.step()
+    for event in events:
+        outputs.setdefault(event.request_id, []).extend(event.token_ids)
+    return events
+
+
+def test_requests_joining_and_leaving_mid_decode_match_solo_runs(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    engine = _engine(pair)
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[0], GREEDY)
+    _drain(engine, outputs)
+    _drain(engine, outputs)
+    engine.add_request("b", prompts[1], GREEDY)
+    engine.add_request("doomed", prompts[3], GREEDY)
+    _drain(engine, outputs)
+    engine.add_request("c", prompts[2], SamplingParams(max_new_tokens=5))
+    _drain(engine, outputs)
+    engine.abort("doomed")
+    engine.abort("unknown-id")  # ignored
+    engine.add_request("d", prompts[3], GREEDY)
+    while engine.has_unfinished():
+        _drain(engine, outputs)
+    assert outputs["a"] == alone[0]
+    assert outputs["b"] == alone[1]
+    assert outputs["c"] == alone[2][:5]
+    assert outputs["d"] == alone[3]
+    assert engine.stats("c").generated_tokens == 5
+    assert engine.running == 0 and engine.waiting == 0
+
+
+def test_events_carry_only_verified_tokens_and_consistent_stats(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    engine = _engine(pair)
+    engine.add_request("r", prompts[0], GREEDY)
+    tokens: list[int] = []
+    texts: list[str] = []
+    drafted = accepted = steps = 0
+    while engine.has_unfinished():
+        for event in engine.step():
+            tokens.extend(event.token_ids)
+            texts.append(event.text)
+            drafted += event.drafted
+            accepted += event.accepted
+            steps += 1
+            assert len(event.token_ids) <= event.accepted + 1
+    stats = engine.stats("r")
+    assert tokens == alone[0]
+    assert "".join(texts) == pair.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert (stats.drafted_tokens, stats.accepted_tokens) == (drafted, accepted)
+    assert stats.target_passes == steps
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
+    assert stats.mean_accepted_length == pytest.approx(accepted / stats.speculation_steps + 1)
+    assert stats.generated_tokens == NEW and stats.tokens_per_second > 0
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_companions(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    seeded = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=0.95, seed=42)
+    (solo,) = generate(_engine(pair), [prompts[0]], seeded)
+    others = [SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=i) for i in range(3)]
+    crowd = generate(_engine(pair), prompts, [seeded, *others])
+    assert crowd[0].token_ids == solo.token_ids
+    again = generate(
+        _engine(pair),
+        [prompts[0]],
+        SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=0.95, seed=43),
+    )
+    assert again[0].token_ids != solo.token_ids
+
+
+def test_acceptance_floor_turns_speculation_off(prompts: list[list[int]]) -> None:
+    bad = build_pair("llama", seed=0, independent_draft=True)
+    baseline = generate(_engine(bad, draft=False), prompts, GREEDY)
+    knobs = SpeculationKnobs(
+        max_depth=3, min_depth=3, adaptive=False, acceptance_floor=0.5, acceptance_window=3
+    )
+    engine = _engine(bad, knobs)
+    assert engine.speculation_active
+    results = generate(engine, prompts, GREEDY)
+    assert [r.token_ids for r in results] == [b.token_ids for b in baseline]
+    assert not engine.speculation_active
+    reason = engine.speculation_off_reason
+    assert reason is not None and reason.startswith("acceptance_floor")
+    assert all(r.stats.speculation_steps == 3 for r in results)  # the window, then off
+    engine.update_knobs(knobs.model_copy(update={"acceptance_floor": 0.0}))
+    assert engine.speculation_active  # new knobs re-evaluate the floor
+
+
+def test_live_knobs_and_memory_pressure_pause_keep_outputs(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    engine = _engine(pair)
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    _drain(engine, outputs)
+    engine.set_speculation_paused("memory_pressure")
+    assert not engine.speculation_active and engine._draft_cache is None
+    events = _drain(engine, outputs)
+    assert all(e.drafted == 0 for e in events)
+    engine.add_request("late", prompts[0], GREEDY)  # joins while the draft cache is gone
+    _drain(engine, outputs)
+    engine.set_speculation_paused(None)  # the draft is re-prefilled lazily
+    events = _drain(engine, outputs)
+    assert any(e.drafted > 0 for e in events)
+    engine.update_knobs(SpeculationKnobs(enabled=False))
+    assert engine.speculation_off_reason == "disabled by knobs"
+    for _ in range(6):  # the draft falls behind; it catches up with one prefill later
+        assert all(e.drafted == 0 for e in _drain(engine, outputs))
+    engine.update_knobs(SpeculationKnobs(max_depth=5, min_depth=5, adaptive=False))
+    while engine.has_unfinished():
+        events = _drain(engine, outputs)
+    for i in range(len(prompts)):
+        assert outputs[str(i)] == alone[i]
+    assert outputs["late"] == alone[0]
+    assert engine.fallback_counts.get("memory_pressure", 0) >= 2
+
+
+def test_stop_strings_end_the_output_before_the_stop(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    full = str(pair.tokenizer.decode(alone[0], skip_special_tokens=True))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip()
+    params = SamplingParams(max_new_tokens=NEW, stop=(stop,))
+    (result,) = generate(_engine(pair), [prompts[0]], params)
+    assert result.finish_reason == "stop"
+    assert result.text == full[: full.index(stop)]
+    assert result.token_ids == alone[0][: len(result.token_ids)]
+    assert len(result.token_ids) < NEW
+
+
+def test_eos_ends_a_request(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    eos_engine = _engine(pair)
+    eos_engine.eos_ids = {alone[1][5]}  # pretend the 6th greedy token is an EOS
+    (result,) = generate(eos_engine, [prompts[1]], GREEDY)
+    first = alone[1].index(alone[1][5])
+    assert result.token_ids == alone[1][: first + 1]
+    assert result.finish_reason == "stop"
+
+
+def test_bad_requests_name_the_field(pair: TinyPair, prompts: list[list[int]]) -> None:
+    engine = _engine(pair)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request("x", [], GREEDY)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request("x", [10**9], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("x", prompts[0], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("x", prompts[0], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request("x", prompts[0], SamplingParams(max_new_tokens=0))
+    engine.add_request("x", prompts[0], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", prompts[0], GREEDY)
+    with pytest.raises(KeyError):
+        engine.stats("nope")
+
+
+def test_target_only_engine_reports_why(pair: TinyPair) -> None:
+    engine = _engine(pair, draft=False)
+    assert not engine.speculation_active
+    assert engine.speculation_off_reason == "no draft model"
+    refused = SpeculativeEngine(
+        as_loaded(pair.target, pair.tokenizer, "t"),
+        as_loaded(pair.draft, pair.tokenizer, "d"),
+        FIXED,
+        speculation_refused="chat template differs",
+    )
+    assert refused.speculation_off_reason == "chat template differs"

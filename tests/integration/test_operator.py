@@ -1,0 +1,566 @@
+"""The operator against a real kube-apiserver v1.20 + controller-manager on loopback.
+
+The operator runs as a real process (`python -m specpair_operator run`), as
+in a pod, watching the test's namespace. There is no kubelet, so pods stay
+Pending; the Deployment's status still comes from the real controllers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import pytest
+import yaml
+
+from tests.support.control_plane import ControlPlane
+from tests.support.k8s_fixtures import Kubectl
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = yaml.safe_load((ROOT / "crds" / "samples" / "gpu-pair.yaml").read_text())
+PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 45.0) -> T:
+    """Poll ``probe`` every 0.2 s until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def api(plane: ControlPlane, method: str, path: str, body: object = None) -> dict[str, Any]:
+    return cast(dict[str, Any], plane.api(method, path, body))
+
+
+def get(plane: ControlPlane, path: str) -> dict[str, Any] | None:
+    try:
+        return api(plane, "GET", path)
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
+
+
+def items(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
+    found = api(plane, "GET", path).get("items")
+    return list(found) if isinstance(found, list) else []
+
+
+def condition(pair: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for cond in ((pair or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return dict(cond)
+    return None
+
+
+class Operator:
+    """`python -m specpair_operator run` as a child process; always stopped."""
+
+    def __init__(self, kubeconfig: Path, log: Path, namespaces: list[str]) -> None:
+        self.kubeconfig, self.log, self.namespaces = kubeconfig, log, namespaces
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Operator:
+        args = [sys.executable, "-m", "specpair_operator", "run", "--metrics-port", "0"]
+        args += ["--resync-seconds", "1"]
+        for ns in self.namespaces:
+            args += ["--namespace", ns]
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@contextlib.contextmanager
+def running_operator(kubeconfig: Path, tmp_path: Path, namespaces: list[str]) -> Iterator[Operator]:
+    operator = Operator(kubeconfig, tmp_path / f"operator-{uuid.uuid4().hex[:6]}.log", namespaces)
+    try:
+        yield operator.start()
+    finally:
+        operator.stop()
+
+
+def pair_manifest(name: str, **spec_changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(json.dumps(SAMPLE))
+    body["metadata"] = {"name": name}
+    body["spec"].update(spec_changes)
+    return body
+
+
+def create_pair(plane: ControlPlane, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    return api(plane, "POST", PAIRS.format(ns=ns), body)
+
+
+def pair_path(ns: str, name: str) -> str:
+    return PAIRS.format(ns=ns) + f"/{name}"
+
+
+def settled(plane: ControlPlane, ns: str, name: str) -> dict[str, Any] | None:
+    """The pair once its status describes its current generation."""
+    pair = get(plane, pair_path(ns, name))
+    if pair is None:
+        return None
+    status = pair.get("status") or {}
+    if status.get("observedGeneration") != pair["metadata"]["generation"]:
+        return None
+    return pair if condition(pair, "HeadroomSufficient") else None
+
+
+def apply_crds(kubectl: Kubectl) -> None:
+    # kubectl checks a manifest against the *server's* OpenAPI when the server
+    # cannot validate fields itself (< 1.25). v1.20's JSONSchemaProps predates
+    # x-kubernetes-validations, so kubectl would refuse the CEL rules that the
+    # apiserver itself accepts (and drops). --validate=warn validates on the
+    # server where it can (>= 1.25: the supported clusters) and skips it here.
+    kubectl("apply", "--validate=warn", "-f", str(ROOT / "crds"))
+
+
+@pytest.fixture(scope="module")
+def crd_installed(control_plane: ControlPlane, kubectl: Kubectl) -> None:
+    """`kubectl apply -f crds/`, as a user installs it; waits until Established."""
+    apply_crds(kubectl)
+    kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/speculativepairs.specpair.dev",
+    )
+
+
+def test_crd_installs_and_rejects_schema_invalid_objects(
+    control_plane: ControlPlane, crd_installed: None, kubectl: Kubectl, k8s_namespace: str
+) -> None:
+    crd = api(
+        control_plane,
+        "GET",
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/speculativepairs.specpair.dev",
+    )
+    assert crd["spec"]["names"]["shortNames"] == ["spair"]
+    bad = pair_manifest("bad", replicas=-1)
+    bad["spec"]["draft"]["dtype"] = "int4"
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        create_pair(control_plane, k8s_namespace, bad)
+    assert raised.value.code == 422
+    message = raised.value.read().decode()
+    assert "spec.replicas" in message and "spec.draft.dtype" in message
+    # kubectl explain reads the descriptions of the structural schema.
+    # The apiserver publishes the CRD's OpenAPI a few seconds after it is Established.
+    explained = wait_for(
+        lambda: (
+            (
+                done := kubectl("explain", "speculativepair.spec.speculation.maxDepth", check=False)
+            ).returncode
+            == 0
+            and done.stdout
+        ),
+        "kubectl explain",
+        timeout=60,
+    )
+    assert "Max tokens drafted per step." in explained
+
+
+def test_pair_lifecycle(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    ns = k8s_namespace
+    body = pair_manifest("llama", resources={"gpus": 1, "gpuMemory": "80Gi", "cpu": "8"})
+    with running_operator(kubeconfig, tmp_path, [ns]) as operator:
+        created = create_pair(control_plane, ns, body)
+        uid = created["metadata"]["uid"]
+        pair = wait_for(lambda: settled(control_plane, ns, "llama"), "the pair's status")
+        status = pair["status"]
+        dep = wait_for(
+            lambda: get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"),
+            "the Deployment",
+        )
+        revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
+
+        # Children: owned, labelled, with probes, resources and securityContext.
+        owner = {
+            "apiVersion": "specpair.dev/v1alpha1",
+            "kind": "SpeculativePair",
+            "name": "llama",
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        dep = api(control_plane, "GET", f"/apis/apps/v1/namespaces/{ns}/deployments/llama")
+        cm = api(control_plane, "GET", f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}")
+        svc = api(control_plane, "GET", f"/api/v1/namespaces/{ns}/services/llama")
+        for child in (dep, cm, svc):
+            assert child["metadata"]["ownerReferences"] == [owner]
+            labels = child["metadata"]["labels"]
+            assert labels["app.kubernetes.io/instance"] == "llama"
+            assert labels["app.kubernetes.io/managed-by"] == "specpair-operator"
+        ctr = dep["spec"]["template"]["spec"]["containers"][0]
+        assert ctr["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert ctr["startupProbe"]["httpGet"]["path"] == "/healthz"
+        assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
+        assert ctr["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        assert "speculation:\n  enabled: true" in cm["data"]["runtime.yaml"]
+        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+        # Status: conditions and placement for this generation.
+        assert status["placement"]["mode"] == "Colocated"
+        assert status["placement"]["deviceBytes"] == 80 * 1024**3
+        for cond in status["conditions"]:
+            assert cond["observedGeneration"] == pair["metadata"]["generation"]
+        assert condition(pair, "HeadroomSufficient")["status"] == "True"  # type: ignore[index]
+        # No kubelet: pods never turn ready, so Ready stays False, and says why.
+        ready = condition(pair, "Ready")
+        assert ready is not None and ready["status"] == "False"
+        columns = kubectl("get", "spair", "-n", ns, "llama").stdout
+        assert "Colocated" in columns and "2024-07-a" in columns
+        # The spec was never touched; kopf keeps its state in annotations.
+        assert pair["spec"]["replicas"] == 2 and "kopf" not in status
+        assert not pair["metadata"].get("finalizers"), "no finalizer: children go by GC"
+
+        # A pass over an unchanged object writes nothing (resync runs every 1 s).
+        def versions() -> dict[str, str]:
+            paths = {
+                "pair": pair_path(ns, "llama"),
+                "dep": f"/apis/apps/v1/namespaces/{ns}/deployments/llama",
+                "cm": f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}",
+                "svc": f"/api/v1/namespaces/{ns}/services/llama",
+            }
+            return {
+                k: api(control_plane, "GET", p)["metadata"]["resourceVersion"]
+                for k, p in paths.items()
+            }
+
+        wait_for(lambda: settled(control_plane, ns, "llama"), "a settled status")
+        # Let the controllers finish their own writes (ReplicaSet, pods, status).
+        wait_for(
+            lambda: (
+                (d := api(control_plane, "GET", f"/apis/apps/v1/namespaces/{ns}/deployments/llama"))
+                and d["status"].get("observedGeneration") == d["metadata"]["generation"]
+                and d["status"].get("replicas") == d["spec"]["replicas"]
+            ),
+            "the Deployment's controllers to settle",
+        )
+        wait_for(lambda: settled(control_plane, ns, "llama"), "a status that saw it")
+        time.sleep(1.5)
+        before = versions()
+        time.sleep(3.5)
+        assert versions() == before, operator.output()[-3000:]
+
+        # Scaling changes replicas, not the revision.
+        control_plane_patch(kubectl, ns, "llama", {"spec": {"replicas": 3}})
+        dep = wait_for(
+            lambda: (
+                (d := get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"))
+                and d["spec"]["replicas"] == 3
+                and d
+            ),
+            "the Deployment to scale",
+        )
+        assert dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"] == revision
+        cms = items(
+            control_plane,
+            f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dllama",
+        )
+        assert [c["metadata"]["name"] for c in cms] == [f"llama-{revision}"]
+
+        # A live knob changes the config in place, not the revision.
+        control_plane_patch(kubectl, ns, "llama", {"spec": {"speculation": {"maxDepth": 7}}})
+        wait_for(
+            lambda: (
+                "maxDepth: 7"
+                in api(
+                    control_plane, "GET", f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}"
+                )["data"]["runtime.yaml"]
+            ),
+            "the knob in the ConfigMap",
+        )
+        dep = api(control_plane, "GET", f"/apis/apps/v1/namespaces/{ns}/deployments/llama")
+        assert dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"] == revision
+
+    # Deleting the pair leaves the children to the garbage collector.
+    kubectl("delete", "spair", "-n", ns, "llama", "--wait=true")
+    for path in (
+        f"/apis/apps/v1/namespaces/{ns}/deployments/llama",
+        f"/api/v1/namespaces/{ns}/services/llama",
+        f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}",
+    ):
+        wait_for(lambda p=path: get(control_plane, p) is None, f"{path} to be collected", 60)  # type: ignore[misc]
+
+
+def control_plane_patch(kubectl: Kubectl, ns: str, name: str, patch: dict[str, Any]) -> None:
+    kubectl("patch", "spair", "-n", ns, name, "--type=merge", "-p", json.dumps(patch))
+
+
+def gpu_node(name: str, mib: int, pool: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"nvidia.com/gpu.memory": str(mib), "pool": pool}},
+    }
+
+
+def test_undersized_gpus_from_node_labels(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    ns = k8s_namespace
+    nodes = [
+        gpu_node(f"{ns}-24g", 24576, f"{ns}-24"),
+        gpu_node(f"{ns}-16g", 16384, f"{ns}-16"),
+        gpu_node(f"{ns}-80g", 81920, f"{ns}-16-not"),
+    ]
+    # Node objects without a kubelet get not-ready taints; the pairs tolerate all.
+    tolerate_all = [{"operator": "Exists"}]
+    try:
+        for node in nodes:
+            api(control_plane, "POST", "/api/v1/nodes", node)
+        with running_operator(kubeconfig, tmp_path, [ns]):
+            create_pair(
+                control_plane,
+                ns,
+                pair_manifest(
+                    "small",
+                    scheduling={"nodeSelector": {"pool": f"{ns}-24"}, "tolerations": tolerate_all},
+                ),
+            )
+            create_pair(
+                control_plane,
+                ns,
+                pair_manifest(
+                    "tiny",
+                    scheduling={"nodeSelector": {"pool": f"{ns}-16"}, "tolerations": tolerate_all},
+                ),
+            )
+            small = wait_for(lambda: settled(control_plane, ns, "small"), "TargetOnly status")
+            tiny = wait_for(lambda: settled(control_plane, ns, "tiny"), "DoesNotFit status")
+
+            placement = small["status"]["placement"]
+            assert placement["mode"] == "TargetOnly"
+            assert placement["deviceBytes"] == 24576 * 1024**2
+            assert placement["deviceSource"] == f"node {ns}-24g label nvidia.com/gpu.memory"
+            headroom = condition(small, "HeadroomSufficient")
+            assert headroom is not None and headroom["status"] == "False"
+            assert headroom["message"].startswith("draft needs 1.91 GiB more")
+            dep = wait_for(
+                lambda: get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/small"),
+                "the TargetOnly Deployment",
+            )
+            revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
+            cm = api(control_plane, "GET", f"/api/v1/namespaces/{ns}/configmaps/small-{revision}")
+            assert "speculation:\n  enabled: false" in cm["data"]["runtime.yaml"]
+
+            assert tiny["status"]["placement"]["mode"] == "DoesNotFit"
+            degraded = condition(tiny, "Degraded")
+            assert degraded is not None and degraded["status"] == "True"
+            assert "21429231616" in degraded["message"]  # the numbers, in bytes
+            assert str(16384 * 1024**2) in degraded["message"]
+            time.sleep(1.5)  # a few resync passes
+            assert get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/tiny") is None
+
+            def reasons() -> set[str]:
+                events = items(control_plane, f"/api/v1/namespaces/{ns}/events")
+                return {e["reason"] for e in events if e["type"] == "Warning"}
+
+            wait_for(lambda: {"TargetOnly", "DoesNotFit"} <= reasons(), "the Warning Events")
+            columns = kubectl("get", "spair", "-n", ns).stdout
+            assert "TargetOnly" in columns and "DoesNotFit" in columns
+    finally:
+        for node in nodes:
+            with contextlib.suppress(urllib.error.HTTPError):
+                api(control_plane, "DELETE", f"/api/v1/nodes/{node['metadata']['name']}")
+
+
+def test_restart_mid_way_converges_without_duplicates(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    ns = k8s_namespace
+    body = pair_manifest("pair", resources={"gpus": 1, "gpuMemory": "80Gi"})
+    deployments = f"/apis/apps/v1/namespaces/{ns}/deployments"
+    with running_operator(kubeconfig, tmp_path, [ns]) as first:
+        create_pair(control_plane, ns, body)
+        wait_for(
+            lambda: items(
+                control_plane,
+                f"/api/v1/namespaces/{ns}/configmaps?labelSelector="
+                "app.kubernetes.io/instance%3Dpair",
+            ),
+            "the first child",
+        )
+        first.stop(signal.SIGKILL)  # no clean shutdown
+    # While it is down: a new version (a new revision) and a lost Service.
+    control_plane_patch(kubectl, ns, "pair", {"spec": {"version": "2024-08-b"}})
+    kubectl("delete", "service", "-n", ns, "pair", "--ignore-not-found")
+
+    with running_operator(kubeconfig, tmp_path, [ns]):
+        pair = wait_for(lambda: settled(control_plane, ns, "pair"), "the converged status")
+        dep = wait_for(
+            lambda: (
+                (d := get(control_plane, f"{deployments}/pair"))
+                and d["metadata"]["labels"]["app.kubernetes.io/version"] == "2024-08-b"
+                and d
+            ),
+            "the new revision",
+        )
+        wait_for(
+            lambda: get(control_plane, f"/api/v1/namespaces/{ns}/services/pair"),
+            "the Service again",
+        )
+    revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
+    assert [d["metadata"]["name"] for d in items(control_plane, deployments)] == ["pair"]
+    assert [
+        s["metadata"]["name"] for s in items(control_plane, f"/api/v1/namespaces/{ns}/services")
+    ] == ["pair"]
+    cms = {
+        c["metadata"]["name"]
+        for c in items(
+            control_plane,
+            f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dpair",
+        )
+    }
+    assert f"pair-{revision}" in cms and len(cms) <= 2  # the new revision, maybe the old one
+    assert pair["status"]["observedGeneration"] == pair["metadata"]["generation"]
+
+
+def test_operator_works_under_its_cluster_role_and_nothing_more(
+    rbac_control_plane: ControlPlane, control_plane_binaries: Any, tmp_path: Path
+) -> None:
+    plane = rbac_control_plane
+    admin = Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)
+    apply_crds(admin)
+    admin(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/speculativepairs.specpair.dev"
+    )
+    plane.ensure_namespace("specpair-system")
+    admin("apply", "-f", str(ROOT / "deploy" / "rbac"))
+    operator_kubeconfig = plane.service_account_kubeconfig(
+        "specpair-system", "specpair-operator", create=False
+    )
+    ns = f"rbac-{uuid.uuid4().hex[:8]}"
+    plane.ensure_namespace(ns)
+
+    # Least privilege: what the role must not allow.
+    def can(*args: str) -> bool:
+        done = admin("auth", "can-i", *args, "--kubeconfig", str(operator_kubeconfig), check=False)
+        return done.stdout.strip() == "yes"
+
+    assert can("create", "deployments.apps", "-n", ns)
+    assert can("watch", "speculativepairs.specpair.dev", "--all-namespaces")
+    for denied in (
+        ("get", "secrets"),
+        ("create", "pods"),
+        ("delete", "deployments.apps"),
+        ("delete", "configmaps"),
+        ("update", "speculativepairs.specpair.dev"),
+        ("create", "roles.rbac.authorization.k8s.io"),
+    ):
+        assert not can(*denied, "-n", ns), f"the role allows {' '.join(denied)}"
+
+    # The operator watches all namespaces, as it does in a cluster.
+    operator = Operator(operator_kubeconfig, tmp_path / "operator-rbac.log", [])
+    try:
+        operator.start()
+        create_pair(
+            plane, ns, pair_manifest("rbac", resources={"gpus": 1, "gpuMemory": "24Gi"})
+        )  # TargetOnly: posts an Event
+        pair = wait_for(lambda: settled(plane, ns, "rbac"), "the status under RBAC")
+        assert pair["status"]["placement"]["mode"] == "TargetOnly"
+        for path in (
+            f"/apis/apps/v1/namespaces/{ns}/deployments/rbac",
+            f"/api/v1/namespaces/{ns}/services/rbac",
+        ):
+            wait_for(lambda p=path: get(plane, p), path)  # type: ignore[misc]
+        wait_for(
+            lambda: any(
+                e["reason"] == "TargetOnly" for e in items(plane, f"/api/v1/namespaces/{ns}/events")
+            ),
+            "the TargetOnly Event",
+        )
+        # Scaling is an update of the Deployment, allowed by the role.
+        Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)(
+            "patch", "spair", "-n", ns, "rbac", "--type=merge", "-p", '{"spec":{"replicas":1}}'
+        )
+        wait_for(
+            lambda: (
+                (d := get(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/rbac"))
+                and d["spec"]["replicas"] == 1
+            ),
+            "the scaled Deployment",
+        )
+    finally:
+        operator.stop()
+    log = operator.output()
+    assert "Forbidden" not in log and " 403" not in log, log[-3000:]
+
+
+def test_samples_reconcile(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    ns = k8s_namespace
+    with running_operator(kubeconfig, tmp_path, [ns]):
+        kubectl("apply", "-n", ns, "-f", str(ROOT / "crds" / "samples"))
+        cpu = wait_for(lambda: settled(control_plane, ns, "qwen-coder-cpu"), "the CPU sample")
+        gpu = wait_for(lambda: settled(control_plane, ns, "llama-8b-1b"), "the GPU sample")
+        for name in ("qwen-coder-cpu", "llama-8b-1b"):
+            wait_for(
+                lambda n=name: get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/{n}"),  # type: ignore[misc]
+                f"the Deployment of {name}",
+            )
+    # CPU mode plans against the pod's memory limit (12Gi).
+    assert cpu["status"]["placement"]["mode"] == "Colocated"
+    assert cpu["status"]["placement"]["deviceSource"] == "spec.resources.memory"
+    # No GPU node in this cluster carries nvidia.com/gpu.memory: the plan is unknown,
+    # said so, and the pair is still deployed as written.
+    headroom = condition(gpu, "HeadroomSufficient")
+    assert headroom is not None
+    assert (headroom["status"], headroom["reason"]) == ("Unknown", "DeviceMemoryUnknown")

@@ -1,0 +1,206 @@
+"""Endpoint contracts over real HTTP, streaming and not, on the tiny pair."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.server_harness import (
+    InProcessServer,
+    in_process_server,
+    metric_value,
+    save_tiny_pair,
+    sse_events,
+    target_only,
+    write_config,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["Hello, how can I help", "The package left our", "def add(a, b):", "one two three"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def server(
+    pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[InProcessServer]:
+    config = write_config(
+        tmp_path_factory.mktemp("cfg") / "config.yaml",
+        *pair,
+        speculation={"maxDepth": 4, "adaptive": False},
+    )
+    with in_process_server(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: InProcessServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        yield http
+
+
+def complete(client: httpx.Client, prompt: str, **fields: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    payload: dict[str, Any] = response.json()
+    return payload
+
+
+def stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """All chunks of a streamed response; asserts it ends with [DONE]."""
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = list(sse_events(response))
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def test_health_ready_and_models(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == "tiny" and card["pair"] == "tiny" and card["pair_version"] == "v1"
+
+
+def test_completion_contract_and_usage(client: httpx.Client, server: InProcessServer) -> None:
+    payload = complete(client, PROMPTS[0])
+    assert payload["object"] == "text_completion" and payload["id"].startswith("cmpl-")
+    assert payload["model"] == "tiny"
+    (choice,) = payload["choices"]
+    assert choice["index"] == 0 and isinstance(choice["text"], str)
+    assert choice["finish_reason"] in ("length", "stop")
+    usage = payload["usage"]
+    prompt_tokens = len(server.state.tokenizer(PROMPTS[0]).input_ids)
+    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == MAX_TOKENS
+    spec = payload["speculation"]
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
+
+
+def test_greedy_through_the_api_equals_target_only(
+    client: httpx.Client, pair: tuple[Path, Path]
+) -> None:
+    expected = target_only(*pair, PROMPTS, MAX_TOKENS)
+    got = [complete(client, prompt)["choices"][0]["text"] for prompt in PROMPTS]
+    assert got == expected
+
+
+def test_stream_chunks_concatenate_to_the_non_streaming_text(client: httpx.Client) -> None:
+    for prompt in PROMPTS:
+        whole = complete(client, prompt)
+        chunks = stream(
+            client,
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+        )
+        texts = [c["choices"][0]["text"] for c in chunks]
+        # One chunk per accept step: never empty, except the closing chunk.
+        assert all(texts[:-1]) and texts[-1] == ""
+        assert "".join(texts) == whole["choices"][0]["text"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        last = chunks[-1]
+        assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+        assert last["usage"] == whole["usage"]
+        assert last["speculation"]["drafted"] > 0
+
+
+def test_multi_token_commits_go_out_as_one_chunk(client: httpx.Client) -> None:
+    chunks = stream(
+        client, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
+    )
+    usage = chunks[-1]["usage"]
+    spec = chunks[-1]["speculation"]
+    assert spec["accepted"] > 0, "the tiny draft should agree with the target sometimes"
+    # Fewer chunks than tokens: accepted drafts were sent together with their step.
+    assert len(chunks) - 1 < usage["completion_tokens"]
+
+
+def test_chat_streaming_and_not(client: httpx.Client, pair: tuple[Path, Path]) -> None:
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["object"] == "chat.completion" and payload["id"].startswith("chatcmpl-")
+    message = payload["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    (expected,) = target_only(*pair, [PROMPTS[0]], MAX_TOKENS, chat=True)
+    assert message["content"] == expected
+    chunks = stream(client, "/v1/chat/completions", body)
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == message["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == payload["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == payload["usage"]
+
+
+def test_stop_string_is_held_back_and_cut(client: httpx.Client) -> None:
+    full = complete(client, PROMPTS[2], max_tokens=32)["choices"][0]["text"]
+    assert len(full) > 6, full
+    stop = full[3:6]  # inside the output, so the stop must trigger
+    cut = full[: full.index(stop)]
+    payload = complete(client, PROMPTS[2], max_tokens=32, stop=[stop])
+    assert payload["choices"][0]["text"] == cut
+    assert payload["choices"][0]["finish_reason"] == "stop"
+    chunks = stream(
+        client,
+        "/v1/completions",
+        {"prompt": PROMPTS[2], "max_tokens": 32, "temperature": 0, "stop": stop},
+    )
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == cut
+    # No chunk ever carried (part of) the stop string past the cut.
+    assert all(stop not in "".join(texts[: i + 1]) for i in range(len(texts)))
+
+
+def test_seeded_sampling_is_reproducible(client: httpx.Client) -> None:
+    fields = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 20}
+    first = complete(client, PROMPTS[3], **fields)["choices"][0]["text"]
+    second = complete(client, PROMPTS[3], **fields)["choices"][0]["text"]
+    assert first == second
+
+
+def test_metrics_carry_pair_labels_on_every_series(client: httpx.Client) -> None:
+    complete(client, PROMPTS[0])
+    text = client.get("/metrics").text
+    names = [
+        "specpair_draft_tokens_total",
+        "specpair_accepted_tokens_total",
+        "specpair_accepted_tokens_per_position_total",
+        "specpair_speculation_steps_total",
+        "specpair_speculation_enabled",
+        "specpair_fallback_total",
+        "specpair_time_to_first_token_seconds_bucket",
+        "specpair_inter_token_latency_seconds_bucket",
+        "specpair_request_latency_seconds_count",
+        "specpair_requests_running",
+        "specpair_requests_waiting",
+    ]
+    for name in names:
+        assert f"\n{name}{{" in text, name
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert all('pair="tiny"' in s and 'pair_version="v1"' in s for s in samples)
+    assert metric_value(text, "specpair_draft_tokens_total") > 0
+    assert metric_value(text, "specpair_accepted_tokens_per_position_total", position="0") > 0
+    assert metric_value(text, "specpair_speculation_enabled") == 1
+    assert metric_value(text, "specpair_requests_running") == 0

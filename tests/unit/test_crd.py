@@ -1,0 +1,106 @@
+"""The committed CRD is the generated one, structural, and fully described."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import yaml
+
+from specpair_operator import crd
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "crds" / "specpair.dev_speculativepairs.yaml"
+
+
+def schema() -> dict[str, Any]:
+    crd_obj = crd.build_crd()
+    openapi: dict[str, Any] = crd_obj["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return openapi
+
+
+def walk(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path or "(root)", node
+    for name, child in (node.get("properties") or {}).items():
+        yield from walk(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_committed_crd_matches_generated() -> None:
+    assert COMMITTED.read_text() == crd.render_crd(), (
+        "crds/specpair.dev_speculativepairs.yaml is stale: run `make crds`"
+    )
+
+
+def test_every_field_has_a_description() -> None:
+    for path, node in walk(schema()):
+        if path.endswith("[]") or path.endswith("{}") or path == ".metadata":
+            continue  # items of a described list/map; metadata may only have a type
+        assert node.get("description"), f"{path} has no description"
+
+
+def test_schema_is_structural() -> None:
+    forbidden = {"$ref", "anyOf", "oneOf", "allOf", "title", "$defs", "const"}
+    for path, node in walk(schema()):
+        assert not forbidden & set(node), f"{path}: {sorted(forbidden & set(node))}"
+        assert "type" in node, f"{path} has no type"
+        if "properties" in node:
+            assert "additionalProperties" not in node, path
+        for flag in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert isinstance(node.get(flag, True), bool), f"{path}.{flag} must be a bool"
+
+
+def test_names_columns_and_subresource() -> None:
+    spec = crd.build_crd()["spec"]
+    assert spec["group"] == "specpair.dev"
+    assert spec["names"]["kind"] == "SpeculativePair"
+    assert spec["names"]["shortNames"] == ["spair"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["storage"]
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Version", "Mode", "Ready", "Acceptance", "Age"]
+
+
+def test_defaults_enums_and_ranges() -> None:
+    props = schema()["properties"]["spec"]["properties"]
+    assert props["replicas"]["default"] == 1 and props["replicas"]["minimum"] == 0
+    assert props["target"]["properties"]["dtype"]["enum"] == [
+        "auto",
+        "float32",
+        "float16",
+        "bfloat16",
+    ]
+    spec_knobs = props["speculation"]
+    assert spec_knobs["default"] == {}  # so that the nested defaults apply
+    assert spec_knobs["properties"]["maxDepth"] == {
+        "default": 4,
+        "description": "Max tokens drafted per step.",
+        "maximum": 16,
+        "minimum": 1,
+        "type": "integer",
+    }
+    headroom = props["resources"]["properties"]["headroomFraction"]
+    assert (headroom["maximum"], headroom["exclusiveMaximum"]) == (1.0, True)
+    assert props["target"]["properties"]["size"]["properties"]["parameters"]["format"] == "int64"
+    affinity = props["scheduling"]["properties"]["affinity"]
+    assert affinity["x-kubernetes-preserve-unknown-fields"] is True
+    # Optional objects whose absence means something get no {} default.
+    assert "default" not in props["goldenPrompts"]
+
+
+def test_cel_rules_are_attached() -> None:
+    spec = schema()["properties"]["spec"]
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert "self.draft.source != self.target.source" in rules
+    knobs = spec["properties"]["speculation"]["x-kubernetes-validations"]
+    assert "self.minDepth <= self.maxDepth" in knobs[0]["rule"]
+
+
+def test_crd_validates_against_the_kubernetes_schema() -> None:
+    kubernetes_validate.validate(yaml.safe_load(COMMITTED.read_text()), "1.27.0", strict=True)

@@ -1,0 +1,128 @@
+"""Depth control: heuristic schedule, batch cap, cost model, acceptance floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.depth import (
+    FIRST_BACKOFF,
+    AcceptanceFloor,
+    CostModel,
+    DepthController,
+    batch_depth_cap,
+    expected_tokens,
+    interpolate,
+    next_heuristic_depth,
+)
+
+
+def test_heuristic_grows_by_two_on_full_acceptance_and_shrinks_by_one() -> None:
+    knobs = SpeculationKnobs(max_depth=8, min_depth=2)
+    assert next_heuristic_depth(4, 4, 4, knobs) == 6
+    assert next_heuristic_depth(7, 7, 7, knobs) == 8
+    assert next_heuristic_depth(4, 4, 3, knobs) == 3
+    assert next_heuristic_depth(2, 2, 0, knobs) == 2
+    assert next_heuristic_depth(5, 0, 0, knobs) == 5  # no drafting: no change
+
+
+def test_heuristic_is_fixed_when_not_adaptive() -> None:
+    knobs = SpeculationKnobs(max_depth=5, adaptive=False)
+    assert next_heuristic_depth(3, 3, 0, knobs) == 5
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected"), [(1, 8), (2, 4), (3, 4), (4, 2), (7, 2), (8, 1), (64, 1)]
+)
+def test_batch_cap_halves_per_doubling(batch: int, expected: int) -> None:
+    assert batch_depth_cap(batch, SpeculationKnobs(max_depth=8)) == expected
+
+
+def test_batch_cap_respects_min_depth_and_disable_threshold() -> None:
+    knobs = SpeculationKnobs(max_depth=8, min_depth=3, disable_above_batch_size=4)
+    assert batch_depth_cap(4, knobs) == 3
+    assert batch_depth_cap(5, knobs) == 0
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens([1.0, 1.0], 2) == 3.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([], 2) == 1.0
+
+
+def test_interpolate() -> None:
+    assert interpolate({}, 3) is None
+    assert interpolate({1: 2.0}, 5) == 2.0
+    assert interpolate({1: 1.0, 3: 2.0}, 2) == pytest.approx(1.5)
+    assert interpolate({1: 1.0, 3: 2.0}, 5) == pytest.approx(3.0)
+
+
+def _measured(draft: float, verify: dict[int, float], acceptance: float) -> CostModel:
+    cost = CostModel()
+    cost.record_draft(1, draft)
+    for n, seconds in verify.items():
+        cost.record_verify(1, n, seconds)
+    for _ in range(200):
+        # Each position accepted with probability `acceptance`: feed expected counts.
+        cost.reached = [100.0] * 8
+        cost.accepted = [100.0 * acceptance] * 8
+    return cost
+
+
+def test_cost_cap_turns_speculation_off_when_it_does_not_pay() -> None:
+    # The Qwen pair on 2 CPU cores: draft step 37% of a target step, a 5-token
+    # verify 3.5x a 1-token step, acceptance ~0.7 (docs: shared notes).
+    cost = _measured(0.37, {1: 1.0, 5: 3.5}, 0.7)
+    assert cost.cost_cap(1, 1, 4) == 0
+
+
+def test_cost_cap_picks_the_best_depth_when_drafting_is_cheap() -> None:
+    cost = _measured(0.05, {1: 1.0, 2: 1.02, 5: 1.1, 9: 1.3}, 0.8)
+    depth = cost.cost_cap(1, 1, 8)
+    rates = {d: cost.throughput(1, d) for d in range(1, 9)}
+    assert depth == max(rates, key=lambda d: rates[d] or 0.0)
+    assert depth >= 3
+
+
+def test_cost_cap_speculates_until_measured() -> None:
+    assert CostModel().cost_cap(1, 1, 4) == 4
+
+
+def test_acceptance_floor_needs_a_full_window() -> None:
+    floor = AcceptanceFloor(window=3)
+    floor.record(4, 0)
+    floor.record(4, 1)
+    assert floor.verdict(0.5) is None
+    floor.record(4, 0)
+    reason = floor.verdict(0.5)
+    assert reason is not None and reason.startswith("acceptance_floor")
+    assert floor.verdict(0.0) is None  # a floor of 0 disables the rule
+    for _ in range(3):
+        floor.record(4, 4)
+    assert floor.verdict(0.5) is None
+
+
+def test_controller_probes_target_only_then_backs_off() -> None:
+    knobs = SpeculationKnobs(max_depth=4)
+    controller = DepthController(knobs)
+    assert controller.plan(1).cap == 4  # nothing measured yet
+    controller.cost.record_draft(1, 0.5)
+    controller.cost.record_verify(1, 5, 3.0)
+    controller.record_speculation_step(4, 1)
+    plan = controller.plan(1)
+    assert (plan.cap, plan.reason) == (0, "probe")  # t_v(1) unknown: measure it
+    controller.cost.record_verify(1, 1, 1.0)
+    plan = controller.plan(1)
+    assert (plan.cap, plan.reason) == (0, "not_paying")
+    for _ in range(FIRST_BACKOFF):
+        controller.record_target_only_step("not_paying")
+    assert controller.plan(1).cap >= 1  # re-probe speculation after the back-off
+    assert controller.cost.backoff == 2 * FIRST_BACKOFF
+
+
+def test_controller_respects_batch_threshold_and_fixed_depth() -> None:
+    controller = DepthController(SpeculationKnobs(max_depth=4, disable_above_batch_size=2))
+    assert (controller.plan(3).cap, controller.plan(3).reason) == (0, "batch_size")
+    fixed = DepthController(SpeculationKnobs(max_depth=3, adaptive=False))
+    fixed.cost.record_verify(1, 1, 0.001)
+    assert fixed.plan(1).cap == 3

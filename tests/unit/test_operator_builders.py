@@ -1,0 +1,183 @@
+"""The pure manifest builders: names, owners, labels, probes, resources, security."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from specpair_operator import builders
+from specpair_operator.api import SpeculativePairSpec, parse_spec
+from specpair_operator.builders import PairRef
+from specpair_runtime.config import parse_runtime_config
+from specpair_runtime.golden import parse_golden
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIR = PairRef(name="llama", namespace="serving", uid="0b6f9a52-0000-4000-8000-000000000001")
+REV = "abcdef0123"
+
+
+def sample_spec(name: str = "gpu-pair.yaml", **changes: Any) -> SpeculativePairSpec:
+    data = yaml.safe_load((ROOT / "crds" / "samples" / name).read_text())["spec"]
+    data.update(changes)
+    return parse_spec(data)
+
+
+def test_config_map_holds_a_valid_runtime_config() -> None:
+    spec = sample_spec()
+    cm = builders.config_map(PAIR, spec, REV, speculate=True)
+    assert cm["metadata"]["name"] == f"llama-{REV}"
+    config = parse_runtime_config(yaml.safe_load(cm["data"]["runtime.yaml"]))
+    assert config.pair.name == "llama" and config.pair.version == "2024-07-a"
+    assert config.target.source == "hf://meta-llama/Llama-3.1-8B-Instruct"
+    assert config.draft.revision == "9213176726f574b556790deb65791e0c5aa438b6"
+    assert config.speculation == spec.speculation
+    assert config.serving.port == 8000 and config.serving.max_model_length == 4096
+    assert config.serving.api_key_file == "/etc/specpair-secrets/api-key"
+    assert config.serving.golden_prompts_file == "/etc/specpair/golden.yaml"
+    golden = parse_golden(yaml.safe_load(cm["data"]["golden.yaml"]))
+    assert [p.name for p in golden.prompts] == ["capital"]
+
+
+def test_target_only_renders_speculation_off() -> None:
+    spec = sample_spec()
+    cm = builders.config_map(PAIR, spec, REV, speculate=False)
+    config = parse_runtime_config(yaml.safe_load(cm["data"]["runtime.yaml"]))
+    assert config.speculation.enabled is False
+    assert config.speculation.max_depth == spec.speculation.max_depth
+
+
+def test_children_are_owned_and_labelled() -> None:
+    spec = sample_spec()
+    for child in (
+        builders.config_map(PAIR, spec, REV, speculate=True),
+        builders.deployment(PAIR, spec, REV),
+        builders.service(PAIR, spec),
+    ):
+        meta = child["metadata"]
+        assert meta["namespace"] == "serving"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "specpair.dev/v1alpha1",
+                "kind": "SpeculativePair",
+                "name": "llama",
+                "uid": PAIR.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"]["app.kubernetes.io/instance"] == "llama"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "specpair-operator"
+        assert meta["labels"]["app.kubernetes.io/version"] == "2024-07-a"
+        assert meta["annotations"][builders.HASH_ANNOTATION]
+
+
+def test_deployment_pod_template() -> None:
+    spec = sample_spec()
+    dep = builders.deployment(PAIR, spec, REV)
+    assert dep["metadata"]["name"] == "llama"
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    template = dep["spec"]["template"]
+    assert template["metadata"]["labels"]["specpair.dev/revision"] == REV
+    # The selector must not carry the revision or version: it is immutable.
+    assert dep["spec"]["selector"]["matchLabels"] == builders.selector_labels(PAIR)
+    pod = template["spec"]
+    assert len(pod["containers"]) == 1
+    ctr = pod["containers"][0]
+    assert ctr["command"] + ctr["args"] == [
+        "specpair-runtime",
+        "serve",
+        "--config",
+        "/etc/specpair/runtime.yaml",
+    ]
+    assert ctr["resources"]["limits"] == {"cpu": "8", "memory": "48Gi", "nvidia.com/gpu": "1"}
+    assert ctr["resources"]["requests"] == ctr["resources"]["limits"]
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    startup = ctr["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+    sc = ctr["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    mounts = {m["mountPath"]: m for m in ctr["volumeMounts"]}
+    assert {"/tmp", "/var/cache/specpair", "/etc/specpair", "/etc/specpair-secrets"} <= set(mounts)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == f"llama-{REV}"
+    assert "emptyDir" in volumes["tmp"] and "emptyDir" in volumes["model-cache"]
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_pvc_sources_are_mounted_read_only() -> None:
+    spec = sample_spec(
+        target={
+            "source": "pvc://models/llama-8b",
+            "size": {"parameters": 8, "layers": 1, "kvHeads": 1, "headDim": 1},
+        },
+        draft={
+            "source": "pvc://models/llama-1b",
+            "size": {"parameters": 1, "layers": 1, "kvHeads": 1, "headDim": 1},
+        },
+    )
+    pod = builders.deployment(PAIR, spec, REV)["spec"]["template"]["spec"]
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [
+        {"name": "models-0", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models-0")
+    assert mount == {"name": "models-0", "mountPath": "/models/models", "readOnly": True}
+
+
+def test_golden_config_map_ref_is_mounted() -> None:
+    spec = sample_spec(goldenPrompts={"configMapRef": {"name": "golden", "key": "prompts.yaml"}})
+    cm = builders.config_map(PAIR, spec, REV, speculate=True)
+    assert "golden.yaml" not in cm["data"]
+    config = parse_runtime_config(yaml.safe_load(cm["data"]["runtime.yaml"]))
+    assert config.serving.golden_prompts_file == "/etc/specpair-golden/golden.yaml"
+    pod = builders.deployment(PAIR, spec, REV)["spec"]["template"]["spec"]
+    golden = next(v for v in pod["volumes"] if v["name"] == "golden")
+    assert golden["configMap"]["items"] == [{"key": "prompts.yaml", "path": "golden.yaml"}]
+
+
+def test_cpu_pair_has_no_gpu_resources() -> None:
+    spec = sample_spec("cpu-pair.yaml")
+    ctr = builders.deployment(PAIR, spec, REV)["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in ctr["resources"]["limits"]
+
+
+def test_service_selects_the_pods() -> None:
+    spec = sample_spec()
+    svc = builders.service(PAIR, spec)
+    assert svc["metadata"]["name"] == "llama"
+    assert svc["spec"]["selector"] == builders.selector_labels(PAIR)
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_builders_are_deterministic_and_hash_tracks_content() -> None:
+    spec = sample_spec()
+    assert builders.deployment(PAIR, spec, REV) == builders.deployment(PAIR, spec, REV)
+    scaled = spec.model_copy(update={"replicas": 3})
+    a = builders.deployment(PAIR, spec, REV)["metadata"]["annotations"]
+    b = builders.deployment(PAIR, scaled, REV)["metadata"]["annotations"]
+    assert a[builders.HASH_ANNOTATION] != b[builders.HASH_ANNOTATION]
+
+
+@pytest.mark.parametrize("sample", ["gpu-pair.yaml", "cpu-pair.yaml"])
+def test_manifests_validate_against_kubernetes_schemas(sample: str) -> None:
+    spec = sample_spec(sample)
+    for child in (
+        builders.config_map(PAIR, spec, REV, speculate=True),
+        builders.deployment(PAIR, spec, REV),
+        builders.service(PAIR, spec),
+    ):
+        kubernetes_validate.validate(child, "1.27.0", strict=True)

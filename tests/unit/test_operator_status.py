@@ -1,0 +1,119 @@
+"""Status from the plan and the observed Deployment."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from specpair_operator.headroom import DeviceMemory
+from specpair_operator.status import Observation, build_status, status_patch
+from specpair_runtime.planner import GIB, ModelGeometry, plan
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+TARGET = ModelGeometry(
+    parameters=8_030_261_248, layers=32, kv_heads=8, head_dim=128, dtype="bfloat16"
+)
+DRAFT = ModelGeometry(
+    parameters=1_235_814_400, layers=16, kv_heads=8, head_dim=64, dtype="bfloat16"
+)
+
+
+def a_plan(gib: int):  # type: ignore[no-untyped-def]
+    return plan(TARGET, DRAFT, max_batch_size=8, max_model_length=4096, device_bytes=gib * GIB)
+
+
+def deployment(
+    replicas: int,
+    updated: int,
+    available: int,
+    revision: str = "r1",
+    progressing_reason: str = "NewReplicaSetAvailable",
+) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": 2},
+        "spec": {
+            "replicas": replicas,
+            "template": {"metadata": {"labels": {"specpair.dev/revision": revision}}},
+        },
+        "status": {
+            "observedGeneration": 2,
+            "replicas": replicas,
+            "updatedReplicas": updated,
+            "readyReplicas": available,
+            "availableReplicas": available,
+            "conditions": [
+                {
+                    "type": "Progressing",
+                    "status": "True",
+                    "reason": progressing_reason,
+                    "message": "m",
+                }
+            ],
+        },
+    }
+
+
+def conds(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+DEVICE80 = DeviceMemory(80 * GIB, "spec.resources.gpuMemory", cuda=True)
+
+
+def test_ready_pair() -> None:
+    obs = Observation(5, "r1", a_plan(80), DEVICE80, deployment(2, 2, 2))
+    status = build_status(obs, {}, now=NOW)
+    assert status["observedGeneration"] == 5
+    assert conds(status) == {
+        "Ready": ("True", "Available"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+        "HeadroomSufficient": ("True", "Colocated"),
+    }
+    assert all(c["observedGeneration"] == 5 for c in status["conditions"])
+    assert status["currentRevision"] == "r1"
+    assert status["placement"]["mode"] == "Colocated"
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)
+
+
+def test_rolling_out_keeps_the_old_current_revision() -> None:
+    obs = Observation(6, "r2", a_plan(80), DEVICE80, deployment(2, 1, 2, revision="r2"))
+    status = build_status(obs, {"currentRevision": "r1"}, now=NOW)
+    assert conds(status)["Progressing"] == ("True", "RollingOut")
+    assert status["currentRevision"] == "r1"
+
+
+def test_target_only_and_does_not_fit() -> None:
+    device24 = DeviceMemory(24 * GIB, "node a", cuda=True)
+    target_only = build_status(Observation(1, "r", a_plan(24), device24, None), {}, now=NOW)
+    assert conds(target_only)["HeadroomSufficient"] == ("False", "TargetOnly")
+    device16 = DeviceMemory(16 * GIB, "node a", cuda=True)
+    no_fit = build_status(Observation(1, "r", a_plan(16), device16, None), {}, now=NOW)
+    assert conds(no_fit)["Degraded"] == ("True", "DoesNotFit")
+    degraded = next(c for c in no_fit["conditions"] if c["type"] == "Degraded")
+    assert "21429231616" in degraded["message"] and "17179869184" in degraded["message"]
+
+
+def test_deadline_exceeded_is_degraded() -> None:
+    dep = deployment(1, 1, 0, progressing_reason="ProgressDeadlineExceeded")
+    status = build_status(Observation(1, "r1", a_plan(80), DEVICE80, dep), {}, now=NOW)
+    assert conds(status)["Degraded"] == ("True", "ProgressDeadlineExceeded")
+    assert conds(status)["Ready"] == ("False", "ReplicasUnavailable")
+
+
+def test_invalid_spec_keeps_placement_and_reports() -> None:
+    previous = build_status(
+        Observation(1, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1)), {}, now=NOW
+    )
+    obs = Observation(2, "r1", None, None, deployment(1, 1, 1), spec_error="spec.x: bad")
+    status = build_status(obs, previous, now=NOW)
+    assert conds(status)["Degraded"] == ("True", "InvalidSpec")
+    assert status["placement"] == previous["placement"]
+
+
+def test_unchanged_status_needs_no_patch() -> None:
+    obs = Observation(1, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1))
+    first = build_status(obs, {}, now=NOW)
+    second = build_status(obs, first, now=datetime(2027, 1, 1, tzinfo=UTC))
+    assert status_patch(first, second) == {}
+    assert status_patch({**first, "acceptance": 0.7}, second) == {}  # not ours to clear

@@ -1,0 +1,99 @@
+"""The scheduler's engine thread with the real engine over an in-memory tiny pair."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.speculative import SpeculativeEngine
+from specpair_runtime.server.memory import MemoryProbe
+from specpair_runtime.server.metrics import ServerMetrics
+from specpair_runtime.server.scheduler import QueueFull, Scheduler, Submission, Update
+from tests.support.server_harness import metric_value
+from tests.support.tiny_models import as_loaded, build_pair
+
+KNOBS = SpeculationKnobs(max_depth=3, adaptive=False, disable_above_batch_size=1)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.updates: list[Update] = []
+        self.done = threading.Event()
+
+    def __call__(self, update: Update) -> None:
+        self.updates.append(update)
+        if update.finished:
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(u.event.text for u in self.updates if u.event is not None)
+
+
+@pytest.fixture(scope="module")
+def engine() -> SpeculativeEngine:
+    pair = build_pair()
+    return SpeculativeEngine(
+        as_loaded(pair.target, pair.tokenizer, "target"),
+        as_loaded(pair.draft, pair.tokenizer, "draft"),
+        KNOBS,
+    )
+
+
+@pytest.fixture
+def scheduler(engine: SpeculativeEngine) -> Iterator[Scheduler]:
+    sched = Scheduler(
+        engine, KNOBS, ServerMetrics("p", "v"), MemoryProbe("cpu"), max_batch_size=2, max_waiting=1
+    )
+    sched.start()
+    try:
+        yield sched
+    finally:
+        sched.stop()
+
+
+def submit(scheduler: Scheduler, name: str, params: SamplingParams, priority: int = 0) -> Sink:
+    sink = Sink()
+    scheduler.submit(Submission(name, [5, 6, 7, 8], params, sink, priority))
+    return sink
+
+
+def test_a_bad_request_fails_alone(scheduler: Scheduler) -> None:
+    good = submit(scheduler, "good", SamplingParams(max_new_tokens=8))
+    # Bypasses the HTTP schema; the engine refuses it at admission.
+    bad = submit(scheduler, "bad", SamplingParams(max_new_tokens=8, top_p=0.0))
+    assert bad.done.wait(60) and good.done.wait(60)
+    assert bad.updates[-1].error is not None and "top_p" in bad.updates[-1].error
+    last = good.updates[-1].event
+    assert last is not None and last.finish_reason in ("length", "stop")
+
+
+def test_queue_bound_abort_and_batch_size_pause(scheduler: Scheduler) -> None:
+    long = SamplingParams(max_new_tokens=200)
+    first = submit(scheduler, "a", long)
+    second = submit(scheduler, "b", long)  # fills the batch of 2 at the next step
+    third = submit(scheduler, "c", long)  # the one waiting place
+    with pytest.raises(QueueFull):
+        submit(scheduler, "d", long)
+    deadline = time.monotonic() + 60
+    while scheduler.running < 2:  # both admitted; c stays queued behind them
+        assert time.monotonic() < deadline, "a and b were not admitted"
+        time.sleep(0.01)
+    scheduler.abort("c")  # still queued: dropped without reaching the engine
+    scheduler.abort("a")
+    assert first.done.wait(60)
+    last = first.updates[-1].event
+    assert last is not None and last.finish_reason == "abort"
+    assert second.done.wait(120)
+    assert third.done.is_set() and len(third.updates) == 1
+    aborted = third.updates[0].event
+    assert aborted is not None and aborted.finish_reason == "abort" and not aborted.token_ids
+    # Two running requests exceed disableAboveBatchSize=1: a batch-size pause was counted.
+    metrics = scheduler.metrics.render().decode()
+    assert metric_value(metrics, "specpair_fallback_total", reason="batch_size") >= 1
+    assert metric_value(metrics, "specpair_requests_running") == 0

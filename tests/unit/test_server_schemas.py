@@ -1,0 +1,104 @@
+"""Request validation: 400 in the OpenAI error format, naming the field.
+
+These checks happen before the models matter, so a server whose models never
+load (readiness stays "loading") serves them without torch work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specpair_runtime.config import parse_runtime_config
+from specpair_runtime.server.app import create_app
+from specpair_runtime.server.command import apply_overrides
+from specpair_runtime.server.state import ServerState
+
+CONFIG = parse_runtime_config(
+    {
+        "pair": {"name": "tiny", "version": "v1"},
+        "target": {"source": "/nonexistent/t"},
+        "draft": {"source": "/nonexistent/d"},
+    }
+)
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(ServerState(CONFIG))) as test_client:
+        yield test_client
+
+
+def error_of(client: TestClient, path: str, body: object) -> tuple[int, dict[str, object]]:
+    response = client.post(path, json=body)
+    payload = response.json()
+    assert set(payload) == {"error"}
+    error: dict[str, object] = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return response.status_code, error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
+        ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, "temprature", "unknown field"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt", "field required"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "1"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 3}, "temperature", "less than"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "greater than"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 5}, "stop", "at most 4"),
+        ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", "valid"),
+        ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+            "system",
+        ),
+    ],
+)
+def test_invalid_fields_are_named(
+    client: TestClient, path: str, body: object, param: str, fragment: str
+) -> None:
+    status, error = error_of(client, path, body)
+    assert status == 400
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    message = str(error["message"])
+    assert message.startswith(f"{param}:") and fragment in message
+
+
+def test_malformed_json_and_non_object_body(client: TestClient) -> None:
+    response = client.post(
+        "/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+    status, error = error_of(client, "/v1/completions", ["prompt"])
+    assert status == 400 and "JSON object" in str(error["message"])
+
+
+def test_valid_request_waits_for_readiness(client: TestClient) -> None:
+    status, error = error_of(client, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 503 and error["code"] == "not_ready"
+    assert "loading" in str(error["message"])
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["phase"] == "loading"
+    assert client.get("/healthz").status_code == 200
+
+
+def test_unknown_route_uses_the_error_format(client: TestClient) -> None:
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_flag_overrides_are_validated_under_their_field_name() -> None:
+    merged = apply_overrides(CONFIG, {"port": 9001, "max_batch_size": 2, "host": None})
+    assert merged.serving.port == 9001 and merged.serving.max_batch_size == 2
+    assert merged.serving.host == CONFIG.serving.host
+    with pytest.raises(ValueError, match=r"serving\.maxBatchSize"):
+        apply_overrides(CONFIG, {"max_batch_size": 0})
