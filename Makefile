@@ -14,6 +14,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
+RUNTIME_IMAGE ?= ghcr.io/specpair/runtime:0.1.0
+RUNTIME_CPU_IMAGE ?= ghcr.io/specpair/runtime:0.1.0-cpu
+OPERATOR_IMAGE ?= ghcr.io/specpair/operator:0.1.0
 
 .DEFAULT_GOAL := help
 
@@ -66,6 +69,24 @@ format: install ## Apply ruff's formatter and fixes
 .PHONY: crds
 crds: install ## Regenerate the CRD YAML from the operator's pydantic models
 	$(PY) -m specpair_operator crds --output crds/specpair.dev_speculativepairs.yaml
+	$(PY) scripts/sync_chart_crds.py
+	$(PY) scripts/gen_api_docs.py
+
+.PHONY: chart
+chart: control-plane ## helm lint --strict, helm template and validate the operator chart
+	$(PY) scripts/sync_chart_crds.py --check
+	$(PY) -m pytest tests/unit/test_chart.py $(PYTEST_ARGS)
+
+.PHONY: images
+images: ## Build the runtime (CUDA and CPU) and operator images with Docker
+	@command -v docker >/dev/null || { echo "error: docker not found; make images needs Docker (the Dockerfiles are checked by make test without it)" >&2; exit 2; }
+	docker build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
+	docker build -f runtime/Dockerfile.cpu -t $(RUNTIME_CPU_IMAGE) .
+	docker build -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
+
+.PHONY: e2e-kind
+e2e-kind: ## kind cluster + images + Helm install + CPU sample + a completion (needs Docker and kind)
+	RUNTIME_CPU_IMAGE=$(RUNTIME_CPU_IMAGE) OPERATOR_IMAGE=$(OPERATOR_IMAGE) scripts/e2e_kind.sh
 
 .PHONY: bench
 bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair

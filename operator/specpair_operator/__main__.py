@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,6 +144,11 @@ def _run_operator(args: argparse.Namespace) -> None:
     os.environ["SPECPAIR_METRICS_PORT"] = str(args.metrics_port)
     os.environ["SPECPAIR_METRICS_ADDRESS"] = args.metrics_address
     os.environ["SPECPAIR_WATCH_NAMESPACES"] = ",".join(args.namespace)
+    # The resync thread follows kopf's peering decisions (peering.py).
+    identity = f"specpair-{socket.gethostname()}-{os.getpid()}"
+    os.environ["SPECPAIR_PEERING"] = args.peering or ""
+    os.environ["SPECPAIR_PRIORITY"] = str(args.priority)
+    os.environ["SPECPAIR_IDENTITY"] = identity
     import kopf
 
     import specpair_operator.handlers  # noqa: F401  (registers the handlers)
@@ -155,6 +161,7 @@ def _run_operator(args: argparse.Namespace) -> None:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,
+        identity=identity,  # type: ignore[arg-type]  # kopf's Identity is a NewType of str
     )
 
 

@@ -132,7 +132,12 @@ class Rollout(ContractModel):
         default=1, ge=1, description="Extra pods during a rollout (maxUnavailable is always 0)."
     )
     progress_deadline_seconds: int = Field(
-        default=1800, ge=60, description="A rollout slower than this is reported as Degraded."
+        default=1800,
+        ge=10,
+        description=(
+            "A new revision not ready within this is rolled back to the last good one "
+            "(Degraded, RolledBack)."
+        ),
     )
     startup_timeout_seconds: int = Field(
         default=1800,

@@ -13,7 +13,8 @@ Settings come from the environment so that ``kopf run -m
 specpair_operator.handlers`` and ``python -m specpair_operator run`` behave
 the same: ``SPECPAIR_RESYNC_SECONDS`` (15), ``SPECPAIR_WATCH_NAMESPACES``
 (comma separated; empty = all), ``SPECPAIR_METRICS_PORT`` (0 = off),
-``SPECPAIR_METRICS_ADDRESS`` (127.0.0.1).
+``SPECPAIR_METRICS_ADDRESS`` (127.0.0.1); with peering, ``SPECPAIR_PEERING``,
+``SPECPAIR_PRIORITY`` and ``SPECPAIR_IDENTITY`` (see `peering.py`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import logging
 import os
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import api, metrics
+from specpair_operator import api, metrics, peering
 from specpair_operator.events import post_event
 from specpair_operator.kube import Kube, load_api_client, path_for
 from specpair_operator.reconcile import ChildConflict, reconcile
@@ -108,12 +110,29 @@ def _reconcile(trigger: str, body: dict[str, Any], memo: kopf.Memo) -> None:
         log.info(f"{trigger} {meta['namespace']}/{meta['name']}: {', '.join(result.writes)}")
 
 
+def _active(kube: Kube, namespace: str | None) -> bool:
+    """Whether kopf's peering lets this replica act (always, when standalone)."""
+    name = os.environ.get("SPECPAIR_PEERING")
+    if not name:
+        return True
+    found = kube.get(peering.peering_path(name, namespace))
+    if found is None:
+        return False  # kopf cannot peer either; it will say so in its log
+    return peering.may_resync(
+        found.get("status") or {},
+        os.environ.get("SPECPAIR_IDENTITY", ""),
+        int(os.environ.get("SPECPAIR_PRIORITY", "0")),
+        datetime.now(UTC),
+    )
+
+
 def _list_pairs(kube: Kube, namespaces: list[str]) -> list[dict[str, Any]]:
-    if not namespaces:
-        return kube.list(path_for(api.API_VERSION, api.PLURAL, None))
+    """The pairs this replica resyncs now (none where a peer outranks it)."""
     pairs: list[dict[str, Any]] = []
-    for namespace in namespaces:
-        pairs += kube.list(path_for(api.API_VERSION, api.PLURAL, namespace))
+    scopes: list[str | None] = [*namespaces] if namespaces else [None]
+    for namespace in scopes:
+        if _active(kube, namespace):
+            pairs += kube.list(path_for(api.API_VERSION, api.PLURAL, namespace))
     return pairs
 
 

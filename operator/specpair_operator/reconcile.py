@@ -21,6 +21,12 @@ from specpair_operator.builders import HASH_ANNOTATION, Manifest, PairRef
 from specpair_operator.kube import Kube, Obj, object_path, pair_path, path_for, with_conflict_retry
 from specpair_operator.metrics import WRITES
 from specpair_operator.revision import compute_revision
+from specpair_operator.rollback import (
+    FAILED_REVISION_ANNOTATION,
+    good_template,
+    rolled_back_deployment,
+    rollout_failed,
+)
 from specpair_operator.status import Observation, build_status, status_patch
 
 EmitEvent = Callable[[str, str, str], None]  # (type, reason, message)
@@ -136,22 +142,73 @@ def reconcile(kube: Kube, body: Obj, emit: EmitEvent, *, now: datetime | None = 
     plan = None if device is None else headroom.plan_for_spec(spec, device)
     speculate = plan is None or plan.mode == "Colocated"
     revision = compute_revision(spec, draft_loaded=speculate)
+    annotations = body["metadata"].get("annotations") or {}
+    # A revision that failed and was rolled back is not rolled out again.
+    held = annotations.get(FAILED_REVISION_ANNOTATION) == revision
     if plan is None or plan.mode != "DoesNotFit":
         children = [
             builders.config_map(pair, spec, revision, speculate=speculate),
             builders.service(pair, spec),
-            # The Deployment last: its pods mount the ConfigMap above.
-            builders.deployment(pair, spec, revision),
         ]
+        if not held:
+            # The Deployment last: its pods mount the ConfigMap above.
+            children.append(builders.deployment(pair, spec, revision))
         for child in children:
             verb = apply_child(kube, pair, child)
             if verb is not None:
                 result.writes.append(f"{verb} {child['kind']}/{child['metadata']['name']}")
+    dep = kube.get(dep_path)
+    good = previous.get("currentRevision")
+    if dep is not None and good and good != revision and rollout_failed(dep, revision):
+        held = _roll_back(kube, pair, body, dep, good, revision, emit, result) or held
+        dep = kube.get(dep_path)
     obs = Observation(
-        generation, revision, plan, device, kube.get(dep_path), gpus=spec.resources.gpus
+        generation,
+        revision,
+        plan,
+        device,
+        dep,
+        gpus=spec.resources.gpus,
+        held_revision=revision if held else None,
     )
     _write_status(kube, pair, previous, build_status(obs, previous, now=now), emit, result)
     return result
+
+
+def _roll_back(
+    kube: Kube,
+    pair: PairRef,
+    body: Obj,
+    dep: Obj,
+    good: str,
+    failed: str,
+    emit: EmitEvent,
+    result: Result,
+) -> bool:
+    """Put the last good revision back; False when its ReplicaSet is gone."""
+    selector = f"app.kubernetes.io/instance={pair.name},{builders.REVISION_LABEL}={good}"
+    replica_sets = kube.list(path_for("apps/v1", "replicasets", pair.namespace), selector)
+    template = good_template(replica_sets, good)
+    if template is None:
+        return False
+    # The Deployment first: if the annotation is then lost, the next pass retries
+    # the failed revision and rolls back again, instead of holding a broken one.
+    dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
+    kube.replace(dep_path, rolled_back_deployment(dep, template, good))
+    WRITES.labels(kind="Deployment", verb="rollback").inc()
+    result.writes.append(f"rollback Deployment/{pair.name} to {good}")
+    annotations = body["metadata"].get("annotations") or {}
+    if annotations.get(FAILED_REVISION_ANNOTATION) != failed:
+        patch = {"metadata": {"annotations": {FAILED_REVISION_ANNOTATION: failed}}}
+        kube.merge_patch(pair_path(pair.namespace, pair.name), patch)
+        result.writes.append("annotate failed revision")
+    emit(
+        "Warning",
+        "RolledBack",
+        f"revision {failed} did not become ready within rollout.progressDeadlineSeconds; "
+        f"rolled back to revision {good}",
+    )
+    return True
 
 
 def _write_status(

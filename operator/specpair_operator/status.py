@@ -30,6 +30,7 @@ class Observation:
     deployment: Mapping[str, Any] | None
     spec_error: str | None = None
     gpus: int = 1
+    held_revision: str | None = None  # failed, rolled back, not retried
 
 
 def placement(plan: Plan, device: DeviceMemory) -> dict[str, Any]:
@@ -133,6 +134,17 @@ def _workload(obs: Observation) -> list[ConditionUpdate]:
         ready = ConditionUpdate(
             READY, "False", "ReplicasUnavailable", f"{available}/{wanted} replicas available"
         )
+    if obs.held_revision is not None:
+        message = (
+            f"revision {obs.held_revision} did not become ready within "
+            "rollout.progressDeadlineSeconds and was rolled back to the last good revision; "
+            "change the spec to try a new revision"
+        )
+        return [
+            ready,
+            ConditionUpdate(PROGRESSING, "False", "RolledBack", message),
+            ConditionUpdate(DEGRADED, "True", "RolledBack", message),
+        ]
     progressing_dep = _deployment_condition(dep, "Progressing")
     if progressing_dep is not None and progressing_dep.get("reason") == "ProgressDeadlineExceeded":
         message = f"revision {obs.revision}: {progressing_dep.get('message', '')}".strip()

@@ -249,10 +249,26 @@ def run_hf_mode(pair: LoadedPair, prompts: list[list[int]], settings: BenchSetti
     return total
 
 
+def linears_patched(model: torch.nn.Module) -> bool:
+    """True when some nn.Linear runs a per-instance forward (e.g. the engine's oneDNN route)."""
+    return any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
 def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
-    """Run every mode on the same prompts; identity is checked against target-only."""
+    """Run every mode on the same prompts; identity is checked against target-only.
+
+    HF assisted generation runs first: building an engine switches the models'
+    CPU linears to oneDNN in place, and the HF baseline should use stock kernels.
+    """
     tokenizer = pair.target.tokenizer
     prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
+    machine = machine_info(pair)
+    hf = None
+    if settings.hf_assisted:
+        machine["hf_assisted_kernels"] = (
+            "patched" if linears_patched(pair.target.model) else "stock transformers"
+        )
+        hf = run_hf_mode(pair, prompts, settings)
     modes = [run_engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
@@ -261,12 +277,12 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
         cap = max(settings.depths)
         knobs = SpeculationKnobs(max_depth=cap, adaptive=True)
         modes.append(run_engine_mode(pair, f"specpair adaptive<={cap}", knobs, prompts, settings))
-    if settings.hf_assisted:
-        modes.append(run_hf_mode(pair, prompts, settings))
+    if hf is not None:
+        modes.append(hf)
     reference = modes[0].outputs
     for mode in modes[1:]:
         mode.identical = mode.outputs == reference
-    return BenchResult(settings, modes, machine_info(pair))
+    return BenchResult(settings, modes, machine)
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -338,11 +354,16 @@ def plot(result: BenchResult, path: Path) -> None:
     speed_axis.set_xticks(depths)
     acceptance_axis: Any = speed_axis.twinx()
     acceptance_axis.plot(
-        depths, [m.acceptance_rate or 0.0 for m in fixed], "s-", color="tab:orange"
+        depths,
+        [m.acceptance_rate or 0.0 for m in fixed],
+        "s-",
+        color="tab:orange",
+        label="acceptance",
     )
     acceptance_axis.set_ylabel("acceptance (accepted / drafted)", color="tab:orange")
     acceptance_axis.set_ylim(0, 1.05)
     speed_axis.set_title("specpair: speed and acceptance per depth")
+    figure.legend(loc="lower right", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -248,6 +248,7 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
     assert modes["target-only"]["vs_target_only"] == pytest.approx(1.0)
     assert modes["specpair k=2"]["drafted_tokens"] > 0
     assert modes["hf-assisted"]["acceptance_rate"] is None
+    assert report["machine"]["hf_assisted_kernels"] == "stock transformers"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -7,7 +7,7 @@ import pytest
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
-from tests.support.tiny_models import TinyPair, as_loaded, build_pair
+from tests.support.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
 NEW = 24
 GREEDY = SamplingParams(max_new_tokens=NEW)
@@ -222,3 +222,28 @@ def test_target_only_engine_reports_why(pair: TinyPair) -> None:
         speculation_refused="chat template differs",
     )
     assert refused.speculation_off_reason == "chat template differs"
+
+
+def test_greedy_rows_in_a_mixed_batch_stay_greedy(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    sampled = SamplingParams(max_new_tokens=NEW, temperature=1.2, top_k=20, seed=5)
+    results = generate(_engine(pair), prompts[:3], [GREEDY, sampled, GREEDY])
+    assert results[0].token_ids == alone[0]
+    assert results[2].token_ids == alone[2]
+    assert len(results[1].token_ids) == NEW
+
+
+def test_vocab_padding_differs_between_target_and_draft(prompts: list[list[int]]) -> None:
+    tok = build_pair("llama", seed=0).tokenizer
+    target = build_llama(tok, seed=4, vocab_padding=24)  # logits wider than the tokenizer
+    draft = build_llama(tok, seed=4)  # no padding: narrower logits ...
+    rows = len(tok)  # ... but the target's weights, cut to the tokenizer's rows
+    draft.load_state_dict({k: v[:rows] for k, v in target.state_dict().items()})
+    baseline = generate(
+        SpeculativeEngine(as_loaded(target, tok, "t"), None, FIXED), prompts, GREEDY
+    )
+    engine = SpeculativeEngine(as_loaded(target, tok, "t"), as_loaded(draft, tok, "d"), FIXED)
+    results = generate(engine, prompts, GREEDY)
+    assert [r.token_ids for r in results] == [b.token_ids for b in baseline]
+    assert sum(r.stats.accepted_tokens for r in results) > 0

@@ -11,12 +11,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -71,18 +73,36 @@ def condition(pair: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     return None
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text: str = reply.read().decode()
+        return text
+
+
 class Operator:
     """`python -m specpair_operator run` as a child process; always stopped."""
 
-    def __init__(self, kubeconfig: Path, log: Path, namespaces: list[str]) -> None:
+    def __init__(
+        self, kubeconfig: Path, log: Path, namespaces: list[str], extra: Sequence[str] = ()
+    ) -> None:
         self.kubeconfig, self.log, self.namespaces = kubeconfig, log, namespaces
+        self.extra = list(extra)
         self.process: subprocess.Popen[bytes] | None = None
+        self.metrics_port = free_port()
 
     def start(self) -> Operator:
-        args = [sys.executable, "-m", "specpair_operator", "run", "--metrics-port", "0"]
-        args += ["--resync-seconds", "1"]
+        args = [sys.executable, "-m", "specpair_operator", "run", "--resync-seconds", "1"]
+        args += ["--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
         for ns in self.namespaces:
             args += ["--namespace", ns]
+        args += self.extra
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -174,19 +194,14 @@ def test_crd_installs_and_rejects_schema_invalid_objects(
     assert raised.value.code == 422
     message = raised.value.read().decode()
     assert "spec.replicas" in message and "spec.draft.dtype" in message
+
     # kubectl explain reads the descriptions of the structural schema.
     # The apiserver publishes the CRD's OpenAPI a few seconds after it is Established.
-    explained = wait_for(
-        lambda: (
-            (
-                done := kubectl("explain", "speculativepair.spec.speculation.maxDepth", check=False)
-            ).returncode
-            == 0
-            and done.stdout
-        ),
-        "kubectl explain",
-        timeout=60,
-    )
+    def explain() -> str | None:
+        done = kubectl("explain", "speculativepair.spec.speculation.maxDepth", check=False)
+        return done.stdout if done.returncode == 0 else None
+
+    explained = wait_for(explain, "kubectl explain", timeout=60)
     assert "Max tokens drafted per step." in explained
 
 
@@ -282,6 +297,12 @@ def test_pair_lifecycle(
         before = versions()
         time.sleep(3.5)
         assert versions() == before, operator.output()[-3000:]
+
+        # The operator's own metrics.
+        metrics = scrape(operator.metrics_port)
+        assert 'specpair_operator_reconciles_total{result="ok",trigger="create"} 1.0' in metrics
+        assert "specpair_operator_reconcile_duration_seconds_count" in metrics
+        assert 'specpair_operator_writes_total{kind="Deployment",verb="create"} 1.0' in metrics
 
         # Scaling changes replicas, not the revision.
         control_plane_patch(kubectl, ns, "llama", {"spec": {"replicas": 3}})
@@ -564,3 +585,170 @@ def test_samples_reconcile(
     headroom = condition(gpu, "HeadroomSufficient")
     assert headroom is not None
     assert (headroom["status"], headroom["reason"]) == ("Unknown", "DeviceMemoryUnknown")
+
+
+def test_rules_the_old_apiserver_skips_are_reported(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    # v1.20 drops the CEL rules, so this object is stored; the operator reports it.
+    ns = k8s_namespace
+    body = pair_manifest("same")
+    body["spec"]["draft"]["source"] = body["spec"]["target"]["source"]
+    with running_operator(kubeconfig, tmp_path, [ns]):
+        create_pair(control_plane, ns, body)
+        pair = wait_for(
+            lambda: condition(get(control_plane, pair_path(ns, "same")), "Degraded"),
+            "the Degraded condition",
+        )
+        assert (pair["status"], pair["reason"]) == ("True", "InvalidSpec")
+        assert "spec: draft.source must differ from target.source" in pair["message"]
+        time.sleep(1.5)  # resync passes create nothing either
+        assert get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/same") is None
+
+
+def play_kubelet_ready(kubectl: Kubectl, ns: str, selector: str) -> int:
+    """The fake kubelet: mark the selected pods Running and Ready. Returns how many."""
+    pods = json.loads(kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json").stdout)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ready = [
+        {"type": kind, "status": "True", "lastTransitionTime": now}
+        for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+    ]
+    for pod in pods["items"]:
+        status = {"status": {"phase": "Running", "conditions": ready, "startTime": now}}
+        kubectl(
+            "patch", "pod", "-n", ns, pod["metadata"]["name"], "--subresource=status",
+            "--type=merge", "-p", json.dumps(status),
+        )  # fmt: skip
+    return len(pods["items"])
+
+
+def test_failed_revision_rolls_back_to_the_last_good_one(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    ns = k8s_namespace
+    dep_path = f"/apis/apps/v1/namespaces/{ns}/deployments/roll"
+    body = pair_manifest(
+        "roll",
+        replicas=1,
+        resources={"gpus": 1, "gpuMemory": "80Gi"},
+        rollout={"progressDeadlineSeconds": 10},
+    )
+
+    def template_revision() -> str:
+        dep = api(control_plane, "GET", dep_path)
+        return str(dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"])
+
+    with running_operator(kubeconfig, tmp_path, [ns]):
+        create_pair(control_plane, ns, body)
+        wait_for(lambda: get(control_plane, dep_path), "the Deployment")
+        good = template_revision()
+        wait_for(
+            lambda: play_kubelet_ready(kubectl, ns, f"specpair.dev/revision={good}"),
+            "the first pod",
+        )
+        wait_for(
+            lambda: (
+                (get(control_plane, pair_path(ns, "roll")) or {})
+                .get("status", {})
+                .get("currentRevision")
+                == good
+            ),
+            "the first revision to roll out",
+        )
+
+        # A new version whose pods never pass /readyz.
+        control_plane_patch(kubectl, ns, "roll", {"spec": {"version": "2024-09-bad"}})
+        bad = wait_for(lambda: (r := template_revision()) != good and r, "the new revision")
+        degraded = wait_for(
+            lambda: (
+                (c := condition(get(control_plane, pair_path(ns, "roll")), "Degraded"))
+                and c["reason"] == "RolledBack"
+                and c
+            ),
+            "the rollback",
+            timeout=90,
+        )
+        assert degraded["status"] == "True"
+        assert template_revision() == good
+        pair = api(control_plane, "GET", pair_path(ns, "roll"))
+        assert pair["metadata"]["annotations"]["specpair.dev/failed-revision"] == bad
+        assert pair["status"]["currentRevision"] == good
+        # maxUnavailable 0: the good pod served throughout.
+        ready = condition(pair, "Ready")
+        assert ready is not None and ready["status"] == "True"
+        events = items(control_plane, f"/api/v1/namespaces/{ns}/events")
+        assert any(e["reason"] == "RolledBack" for e in events)
+        time.sleep(2)  # resync passes do not retry the failed revision
+        assert template_revision() == good
+
+        # A new spec is a new revision: the hold is over.
+        control_plane_patch(kubectl, ns, "roll", {"spec": {"version": "2024-09-fixed"}})
+        wait_for(lambda: template_revision() not in (good, bad), "the next revision")
+
+
+def test_peering_keeps_one_replica_active(
+    rbac_control_plane: ControlPlane, control_plane_binaries: Any, tmp_path: Path
+) -> None:
+    """Two replicas under the operator's roles: the lower priority one waits, then takes over."""
+    plane = rbac_control_plane
+    admin = Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)
+    apply_crds(admin)
+    plane.ensure_namespace("specpair-system")
+    admin("apply", "-f", str(ROOT / "deploy" / "rbac"))
+    admin("apply", "-f", str(ROOT / "deploy" / "peering" / "kopf_peering_crd.yaml"))
+    for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+        admin("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd}")
+    admin("apply", "-f", str(ROOT / "deploy" / "peering"))
+    sa_kubeconfig = plane.service_account_kubeconfig(
+        "specpair-system", "specpair-operator", create=False
+    )
+    ns = f"peer-{uuid.uuid4().hex[:8]}"
+    plane.ensure_namespace(ns)
+    peering = "/apis/kopf.dev/v1/clusterkopfpeerings/specpair-operator"
+
+    def replica(name: str, priority: int) -> Operator:
+        extra = ["--peering", "specpair-operator", "--priority", str(priority)]
+        return Operator(sa_kubeconfig, tmp_path / f"{name}.log", [], extra)
+
+    leader, standby = replica("leader", 10), replica("standby", 0)
+    try:
+        leader.start()
+        standby.start()
+        wait_for(
+            lambda: len(api(plane, "GET", peering).get("status") or {}) == 2,
+            "both replicas in the peering object",
+        )
+        wait_for(lambda: "Pausing operations" in standby.output(), "the standby to pause")
+        create_pair(plane, ns, pair_manifest("ha", resources={"gpus": 1, "gpuMemory": "80Gi"}))
+        wait_for(lambda: settled(plane, ns, "ha"), "the leader to reconcile")
+        time.sleep(2)  # two resync rounds
+        assert f"{ns}/ha" in leader.output()
+        assert f"{ns}/ha" not in standby.output(), standby.output()[-3000:]
+
+        leader.stop()  # a clean stop removes it from the peering object
+        wait_for(lambda: "Resuming operations" in standby.output(), "the standby to take over")
+        Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)(
+            "patch", "spair", "-n", ns, "ha", "--type=merge", "-p", '{"spec":{"replicas":1}}'
+        )
+        wait_for(
+            lambda: (
+                (d := get(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/ha"))
+                and d["spec"]["replicas"] == 1
+            ),
+            "the standby to scale the Deployment",
+        )
+    finally:
+        leader.stop()
+        standby.stop()
+    for log in (leader.output(), standby.output()):
+        assert "Forbidden" not in log, log[-3000:]

@@ -26,7 +26,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tmp_path: Path) -> 
     with subprocess_server(config, tmp_path / "server.log") as server:
         body = wait_until_ready(server.base_url)
         assert body["ready"], server.log()
-        request = {"prompt": "Hello", "max_tokens": 900, "temperature": 0, "stream": True}
+        request = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True}
         chunks: list[dict[str, object]] = []
         with (
             httpx.Client(base_url=server.base_url, timeout=120) as client,

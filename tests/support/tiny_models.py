@@ -9,6 +9,8 @@ Tests use these instead of real weights:
   target's weights plus noise), so acceptance is neither 0 nor 1.
 - ``save_pair(tmp_path)``: the pair in Hugging Face layout, for the loader,
   the CLI and the server.
+- ``as_loaded(model, tokenizer, name)``: an in-memory model as a
+  ``LoadedModel`` (CPU, float32), to build engines without the loader.
 """
 
 from __future__ import annotations

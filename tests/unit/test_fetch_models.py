@@ -181,10 +181,10 @@ def test_meminfo_fields_and_the_memory_plan() -> None:
     assert fm.mem_info_bytes(text, "MemTotal") == 24_000_000 * 1024
     assert fm.mem_info_bytes("MemTotal: 1 kB\n", "MemAvailable") is None
     gib = fm.GIB
-    assert fm.memory_plan(13.8, 24 * gib, 15 * gib) == "go"
-    assert fm.memory_plan(13.8, 24 * gib, 14 * gib) == "wait"  # under peak + margin
-    assert fm.memory_plan(13.8, 12 * gib, 11 * gib) == "never"
-    assert fm.memory_plan(13.8, None, None) == "go"
+    assert fm.memory_plan(8.9, 24 * gib, 10 * gib) == "go"
+    assert fm.memory_plan(8.9, 24 * gib, int(9.5 * gib)) == "wait"  # under peak + margin
+    assert fm.memory_plan(8.9, 8 * gib, 7 * gib) == "never"
+    assert fm.memory_plan(8.9, None, None) == "go"
 
 
 def fake_fetched_cache(root: Path) -> None:

@@ -117,3 +117,12 @@ def test_unchanged_status_needs_no_patch() -> None:
     second = build_status(obs, first, now=datetime(2027, 1, 1, tzinfo=UTC))
     assert status_patch(first, second) == {}
     assert status_patch({**first, "acceptance": 0.7}, second) == {}  # not ours to clear
+
+
+def test_held_revision_is_degraded_rolled_back() -> None:
+    obs = Observation(3, "r2", a_plan(80), DEVICE80, deployment(1, 1, 1), held_revision="r2")
+    status = build_status(obs, {"currentRevision": "r1"}, now=NOW)
+    assert conds(status)["Degraded"] == ("True", "RolledBack")
+    assert conds(status)["Progressing"] == ("False", "RolledBack")
+    assert conds(status)["Ready"] == ("True", "Available")
+    assert status["currentRevision"] == "r1"

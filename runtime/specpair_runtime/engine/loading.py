@@ -194,15 +194,20 @@ def _load_tokenizer(resolved: ResolvedSource, source: str) -> Any:
         raise LoadError(f"{source}: cannot load the tokenizer: {_first_line(error)}") from None
 
 
-def _load_weights(resolved: ResolvedSource, dtype: torch.dtype, source: str) -> Any:
+def _load_weights(
+    resolved: ResolvedSource, dtype: torch.dtype, device: torch.device, source: str
+) -> Any:
     from transformers import AutoModelForCausalLM
 
+    # On CUDA, place weights straight on the device instead of staging them in host RAM.
+    placement = {"device_map": str(device)} if device.type == "cuda" else {}
     try:
         return AutoModelForCausalLM.from_pretrained(
             str(resolved.directory),
             gguf_file=resolved.gguf_file,
             dtype=dtype,
             local_files_only=True,
+            **placement,
         )
     except (OSError, ValueError, KeyError) as error:
         raise LoadError(f"{source}: cannot load the model: {_first_line(error)}") from None
@@ -232,7 +237,7 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
     resolved = resolve_source(spec)
     started = time.perf_counter()
     tokenizer = _load_tokenizer(resolved, spec.source)
-    model = _load_weights(resolved, dtype, spec.source)
+    model = _load_weights(resolved, dtype, torch_device, spec.source)
     model.eval()
     model.requires_grad_(False)
     model.to(torch_device)

@@ -19,6 +19,16 @@ Per step, for the whole running batch at once:
 Target-only decoding runs through the same forwards, so greedy speculative
 output equals greedy target-only output token for token.
 
+Sampling with a seed: each request draws random numbers only from its own
+generator, and only as many as its own depth needs, so with a fixed depth
+(``adaptive: false``, ``minDepth == maxDepth``) a seeded request gives the
+same tokens alone or in any batch. Adaptive depth follows measured timings,
+so there a seed fixes the distribution, not the exact tokens.
+
+Limits: attention masks with holes are built here (4-D, additive), which
+suits the ``sdpa`` and ``eager`` attention implementations; sliding-window
+attention is not applied to batches with holes (Qwen2.5 has none).
+
 The engine is single-threaded: call ``add_request``/``abort``/``step`` from
 one thread (the server runs it in one executor thread).
 """
@@ -40,6 +50,7 @@ from specpair_runtime.engine.api import (
     SamplingParams,
     StepEvent,
 )
+from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController, next_heuristic_depth
 from specpair_runtime.engine.kvcache import RaggedCache
 from specpair_runtime.engine.loading import LoadedModel
@@ -126,6 +137,8 @@ class _Runner:
         head = self.model.get_output_embeddings()
         width = getattr(head, "out_features", None)
         self.vocab = int(width if width is not None else self.model.config.vocab_size)
+        embeddings = self.model.get_input_embeddings()
+        self.embedding_rows = int(getattr(embeddings, "num_embeddings", self.vocab))
 
     def new_cache(self, rows: int) -> RaggedCache:
         return RaggedCache(rows, self.device, self.dtype)
@@ -143,6 +156,10 @@ class _Runner:
         token [B, V]; "none": no logits (prefill).
         """
         width = int(input_ids.shape[1])
+        # A draft with fewer embedding rows than the target's logits (vocab
+        # padding) must still read every committed id; past the tokenizer
+        # these ids are junk anyway, and the draft only proposes.
+        input_ids = input_ids.clamp(max=self.embedding_rows - 1)
         inputs = cache.prepare(chunk_lens, width)
         uniform = all(n == width for n in chunk_lens)
         keep = 1 if wanted == "none" or (wanted == "last" and uniform) else 0
@@ -211,12 +228,19 @@ class SpeculativeEngine:
         knobs: SpeculationKnobs,
         *,
         speculation_refused: str | None = None,
+        cpu_kernels: Literal["onednn", "default"] = "onednn",
     ) -> None:
+        """``cpu_kernels="onednn"`` switches the fp32 linears of both models to
+        oneDNN in place when they run on the CPU (see ``cpu_kernels.py``)."""
         if draft is not None and draft.device != target.device:
             raise ValueError(
                 f"draft device {draft.device} differs from target device {target.device}: "
                 "the pair is never split across devices"
             )
+        if cpu_kernels == "onednn":
+            for loaded in (target, draft):
+                if loaded is not None and loaded.device.type == "cpu":
+                    use_onednn_linears(loaded.model)
         self.target = _Runner(target)
         self.draft = _Runner(draft) if draft is not None else None
         self.tokenizer = target.tokenizer
@@ -234,6 +258,8 @@ class SpeculativeEngine:
             self.draft.new_cache(0) if self.draft is not None else None
         )
         self._done: OrderedDict[str, RequestStats] = OrderedDict()
+        # Target-only steps by reason: no_draft, refused, disabled, a pause reason,
+        # acceptance_floor, batch_size, probe (cost measurement), not_paying.
         self.fallback_counts: dict[str, int] = {}
         self.last_step_depth = 0
 
@@ -327,6 +353,18 @@ class SpeculativeEngine:
             return self._paused
         return self._floor_reason
 
+    def _off_label(self) -> str:
+        """A short metric label for why speculation is off (``fallback_counts`` keys)."""
+        if self.draft is None:
+            return "no_draft"
+        if self.refused is not None:
+            return "refused"
+        if not self.knobs.enabled:
+            return "disabled"
+        if self._paused is not None:
+            return self._paused
+        return "acceptance_floor"
+
     @property
     def running(self) -> int:
         return len(self._running)
@@ -397,7 +435,7 @@ class SpeculativeEngine:
         """Per-row depths for this step, and why they are all 0 if they are."""
         off = self.speculation_off_reason
         if off is not None:
-            return [0] * len(self._running), _reason_key(off)
+            return [0] * len(self._running), self._off_label()
         plan = self.controller.plan(len(self._running))
         if plan.cap == 0:
             return [0] * len(self._running), plan.reason
@@ -561,11 +599,6 @@ class SpeculativeEngine:
         if finished_rows:
             self._remove_rows(finished_rows)
         return events
-
-
-def _reason_key(reason: str) -> str:
-    """A short metric label for a reason: "acceptance_floor: ..." -> "acceptance_floor"."""
-    return reason.split(":", 1)[0].strip().replace(" ", "_")
 
 
 @dataclass(frozen=True)

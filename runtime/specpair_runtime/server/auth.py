@@ -5,15 +5,17 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
+from specpair_runtime.config import ConfigError
+
 
 def load_api_key(path: Path) -> str:
     """The key is the file's content without surrounding whitespace."""
     try:
         key = path.read_text().strip()
     except OSError as error:
-        raise ValueError(f"serving.apiKeyFile: cannot read {path}: {error.strerror}") from None
+        raise ConfigError(f"serving.apiKeyFile: cannot read {path}: {error.strerror}") from None
     if not key:
-        raise ValueError(f"serving.apiKeyFile: {path} is empty")
+        raise ConfigError(f"serving.apiKeyFile: {path} is empty")
     return key
 
 

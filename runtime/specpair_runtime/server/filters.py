@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
+from specpair_runtime.config import ConfigError
 from specpair_runtime.config import OutputFilter as OutputFilterConfig
 
 
@@ -44,7 +45,7 @@ def build_filter(config: OutputFilterConfig | None) -> OutputFilter:
         try:
             re.compile(pattern)
         except re.error as error:
-            raise ValueError(
+            raise ConfigError(
                 f"serving.outputFilter.denyPatterns[{index}]: not a valid regex: {error}"
             ) from None
     return DenyListFilter(config.deny_patterns)

@@ -1,0 +1,89 @@
+{{/* The chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "specpair-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The full name of the release's objects. */}}
+{{- define "specpair-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specpair-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specpair-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "specpair-operator.labels" -}}
+{{ include "specpair-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: specpair
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}
+
+{{- define "specpair-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specpair-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name: set it when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "specpair-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+RBAC rules, kept identical to deploy/rbac/cluster_role.yaml (a test compares
+them). No delete anywhere: children go by garbage collection through their
+ownerReferences. No pods, no secrets.
+*/}}
+{{- define "specpair-operator.namespacedRules" -}}
+# Watch the pairs; patch only for kopf's progress annotations.
+- apiGroups: [specpair.dev]
+  resources: [speculativepairs]
+  verbs: [get, list, watch, patch]
+- apiGroups: [specpair.dev]
+  resources: [speculativepairs/status]
+  verbs: [get, patch]
+# For blockOwnerDeletion under the OwnerReferencesPermissionEnforcement admission plugin.
+- apiGroups: [specpair.dev]
+  resources: [speculativepairs/finalizers]
+  verbs: [update]
+# The children, read by name and written whole.
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, create, update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, update]
+# Rollback reads the last good pod template from its ReplicaSet.
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [list]
+# Events about the pairs, from the operator and kopf.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
+
+{{- define "specpair-operator.clusterRules" -}}
+# GPU memory from the nvidia.com/gpu.memory node label.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list]
+# kopf follows the CRDs to notice when its resource appears or goes.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- end }}

@@ -1,0 +1,270 @@
+"""`helm install` of the operator chart into a real kube-apiserver with RBAC on,
+then the operator as a local process under the chart's ServiceAccount token
+(there is no kubelet to run its pod), reconciling the CPU sample pair."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from tests.support.control_plane import Binaries, ControlPlane
+from tests.support.helm_chart import CHART, ROOT
+from tests.support.k8s_fixtures import Kubectl
+
+pytestmark = pytest.mark.integration
+
+SAMPLE = ROOT / "crds" / "samples" / "cpu-pair.yaml"
+PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.25)
+
+
+def get(plane: ControlPlane, path: str) -> dict[str, Any] | None:
+    try:
+        return plane.api("GET", path)
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def loopback_args(args: list[str]) -> list[str]:
+    """The chart's operator args, with its listeners moved to free loopback ports."""
+    moved = {
+        "--metrics-address": "127.0.0.1",
+        "--metrics-port": str(free_port()),
+        "--liveness": f"http://127.0.0.1:{free_port()}/healthz",
+    }
+    out = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        out.append(f"{flag}={moved[flag]}" if flag in moved else arg)
+    return out
+
+
+class Release:
+    """A `helm install`ed release; `helm uninstall` on exit."""
+
+    def __init__(self, helm: Kubectl, name: str, namespace: str, *sets: str) -> None:
+        self.helm, self.name, self.namespace, self.sets = helm, name, namespace, sets
+
+    def __enter__(self) -> Release:
+        self.helm(
+            "install",
+            self.name,
+            str(CHART),
+            "--namespace",
+            self.namespace,
+            "--create-namespace",
+            # Helm 4 applies server-side by default. v1.20's apply schema predates
+            # x-kubernetes-validations (1.25), so its typed patch rejects the CRD's
+            # CEL rules; a client-side create is what the old server accepts
+            # (it drops the rules, as the docs for that version say).
+            "--server-side=false",
+            *(arg for value in self.sets for arg in ("--set", value)),
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.helm("uninstall", self.name, "--namespace", self.namespace, check=False)
+
+    @property
+    def fullname(self) -> str:
+        return f"{self.name}-specpair-operator"
+
+
+@contextlib.contextmanager
+def operator_process(
+    args: list[str], kubeconfig: Path, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m specpair_operator <the chart's args>`; always stopped."""
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "specpair_operator", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+def chart_args(plane: ControlPlane, release: Release) -> list[str]:
+    deployment = plane.api(
+        "GET", f"/apis/apps/v1/namespaces/{release.namespace}/deployments/{release.fullname}"
+    )
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]  # type: ignore[index]
+    args = container["args"]
+    assert isinstance(args, list)
+    return loopback_args([str(a) for a in args])
+
+
+def sample_pair(name: str) -> dict[str, Any]:
+    body: dict[str, Any] = yaml.safe_load(SAMPLE.read_text())
+    body["metadata"] = {"name": name}
+    return body
+
+
+def owned_config_maps(plane: ControlPlane, ns: str, owner: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = plane.api("GET", f"/api/v1/namespaces/{ns}/configmaps")["items"]  # type: ignore[assignment]
+    return [
+        cm
+        for cm in items
+        if any(ref.get("name") == owner for ref in cm["metadata"].get("ownerReferences", []))
+    ]
+
+
+def assert_reconciled(plane: ControlPlane, ns: str, name: str, log: Path) -> dict[str, Any]:
+    """Children created and the status written for the pair's generation."""
+
+    def settled() -> dict[str, Any] | None:
+        pair = get(plane, PAIRS.format(ns=ns) + f"/{name}")
+        status = (pair or {}).get("status") or {}
+        if pair is None or status.get("observedGeneration") != pair["metadata"]["generation"]:
+            return None
+        return pair
+
+    try:
+        pair = wait_for(settled, f"the status of {ns}/{name}")
+        for path in (
+            f"/apis/apps/v1/namespaces/{ns}/deployments/{name}",
+            f"/api/v1/namespaces/{ns}/services/{name}",
+        ):
+            wait_for(lambda p=path: get(plane, p), path)  # type: ignore[misc]
+        config_maps = wait_for(lambda: owned_config_maps(plane, ns, name), "the pair's ConfigMap")
+    except AssertionError as error:
+        raise AssertionError(f"{error}\noperator log:\n{log.read_text()[-3000:]}") from None
+    status = pair["status"]
+    assert status["placement"]["mode"] == "Colocated", status
+    assert {c["type"] for c in status["conditions"]} >= {"HeadroomSufficient", "Progressing"}
+    assert config_maps[0]["metadata"]["name"].startswith(f"{name}-")
+    return pair
+
+
+@pytest.fixture(scope="module")
+def admin(rbac_control_plane: ControlPlane, control_plane_binaries: Binaries) -> Kubectl:
+    return Kubectl(rbac_control_plane.kubeconfig_path, control_plane_binaries.kubectl)
+
+
+@pytest.fixture(scope="module")
+def helm(rbac_control_plane: ControlPlane, control_plane_binaries: Binaries) -> Kubectl:
+    return Kubectl(rbac_control_plane.kubeconfig_path, control_plane_binaries.helm, timeout_s=300)
+
+
+def test_helm_install_gives_an_operator_that_reconciles_the_cpu_sample(
+    rbac_control_plane: ControlPlane, admin: Kubectl, helm: Kubectl, tmp_path: Path
+) -> None:
+    plane = rbac_control_plane
+    with Release(helm, "specpair", "specpair-system") as release:
+        # Helm installed the CRD from the chart's crds/.
+        admin(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/speculativepairs.specpair.dev",
+        )
+        listed = helm("list", "--namespace", "specpair-system", "-o", "json").stdout
+        assert '"status":"deployed"' in listed.replace(" ", "")
+
+        kubeconfig = plane.service_account_kubeconfig(
+            release.namespace, release.fullname, create=False
+        )
+
+        def can(*args: str) -> bool:
+            done = admin("auth", "can-i", *args, "--kubeconfig", str(kubeconfig), check=False)
+            return done.stdout.strip() == "yes"
+
+        ns = f"helm-{uuid.uuid4().hex[:8]}"
+        plane.ensure_namespace(ns)
+        assert can("create", "deployments.apps", "-n", ns)
+        assert can("watch", "speculativepairs.specpair.dev", "--all-namespaces")
+        for denied in (("get", "secrets"), ("create", "pods"), ("delete", "deployments.apps")):
+            assert not can(*denied, "-n", ns), f"the chart's role allows {' '.join(denied)}"
+
+        log = tmp_path / "operator.log"
+        with operator_process(chart_args(plane, release), kubeconfig, log):
+            admin("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(sample_pair("cpu")))
+            assert_reconciled(plane, ns, "cpu", log)
+        text = log.read_text(errors="replace")
+        assert "Forbidden" not in text and " 403" not in text, text[-3000:]
+
+
+def test_watched_namespaces_install_reconciles_only_there(
+    rbac_control_plane: ControlPlane, admin: Kubectl, helm: Kubectl, tmp_path: Path
+) -> None:
+    plane = rbac_control_plane
+    watched, other = (f"w-{uuid.uuid4().hex[:8]}", f"o-{uuid.uuid4().hex[:8]}")
+    for ns in (watched, other):
+        plane.ensure_namespace(ns)
+    # The CRD may be there from the test above; Helm skips an existing CRD.
+    with Release(helm, "scoped", "specpair-scoped", f"watchedNamespaces={{{watched}}}") as release:
+        admin(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/speculativepairs.specpair.dev",
+        )
+        kubeconfig = plane.service_account_kubeconfig(
+            release.namespace, release.fullname, create=False
+        )
+
+        def can(*args: str) -> bool:
+            done = admin("auth", "can-i", *args, "--kubeconfig", str(kubeconfig), check=False)
+            return done.stdout.strip() == "yes"
+
+        assert can("create", "deployments.apps", "-n", watched)
+        assert not can("create", "deployments.apps", "-n", other)
+        assert not can("list", "speculativepairs.specpair.dev", "--all-namespaces")
+
+        args = chart_args(plane, release)
+        assert f"--namespace={watched}" in args
+        log = tmp_path / "operator-scoped.log"
+        with operator_process(args, kubeconfig, log):
+            for ns in (watched, other):
+                admin("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(sample_pair("cpu")))
+            assert_reconciled(plane, watched, "cpu", log)
+            time.sleep(3)  # a few resync periods: the other namespace stays untouched
+            assert get(plane, f"/apis/apps/v1/namespaces/{other}/deployments/cpu") is None
+            pair = get(plane, PAIRS.format(ns=other) + "/cpu")
+            assert pair is not None and "status" not in pair
+        text = log.read_text(errors="replace")
+        assert "Forbidden" not in text and " 403" not in text, text[-3000:]

