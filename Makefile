@@ -79,7 +79,8 @@ chart: control-plane ## helm lint --strict, helm template and validate the opera
 
 .PHONY: images
 images: ## Build the runtime (CUDA and CPU) and operator images with Docker
-	@command -v docker >/dev/null || { echo "error: docker not found; make images needs Docker (the Dockerfiles are checked by make test without it)" >&2; exit 2; }
+	@command -v docker >/dev/null || { echo "error: docker not found; make images needs Docker (make test checks the Dockerfiles without it)" >&2; exit 2; }
+	@docker info >/dev/null 2>&1 || { echo "error: the Docker daemon is not reachable (docker info failed); make images needs a running Docker" >&2; exit 2; }
 	docker build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
 	docker build -f runtime/Dockerfile.cpu -t $(RUNTIME_CPU_IMAGE) .
 	docker build -f operator/Dockerfile -t $(OPERATOR_IMAGE) .

@@ -1,7 +1,8 @@
 """``python -m specpair_operator``: run the operator, write the CRD, or plan VRAM offline.
 
     run   [--namespace NS ...] [--metrics-port N] [--metrics-address A]
-          [--peering NAME [--priority N]] [--resync-seconds S] [--liveness URL]
+          [--peering NAME [--priority N]] [--resync-seconds S] [--scrape-seconds S]
+          [--liveness URL]
     crds  --output FILE
     plan  -f pair.yaml [--gpu-memory 80Gi] [--json]
 
@@ -68,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=float(os.environ.get("SPECPAIR_RESYNC_SECONDS", "15")),
         help="Interval of the level-based resync timer.",
+    )
+    run.add_argument(
+        "--scrape-seconds",
+        type=float,
+        default=float(os.environ.get("SPECPAIR_SCRAPE_SECONDS", "30")),
+        help="Interval of the acceptance scrape of the pods' /metrics.",
     )
     run.add_argument(
         "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
@@ -141,6 +148,7 @@ def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
 def _run_operator(args: argparse.Namespace) -> None:
     # handlers.py reads these at import; set them first.
     os.environ["SPECPAIR_RESYNC_SECONDS"] = str(args.resync_seconds)
+    os.environ["SPECPAIR_SCRAPE_SECONDS"] = str(args.scrape_seconds)
     os.environ["SPECPAIR_METRICS_PORT"] = str(args.metrics_port)
     os.environ["SPECPAIR_METRICS_ADDRESS"] = args.metrics_address
     os.environ["SPECPAIR_WATCH_NAMESPACES"] = ",".join(args.namespace)

@@ -136,13 +136,29 @@ class Rollout(ContractModel):
         ge=10,
         description=(
             "A new revision not ready within this is rolled back to the last good one "
-            "(Degraded, RolledBack)."
+            "(Degraded, RolloutFailed)."
         ),
     )
     startup_timeout_seconds: int = Field(
         default=1800,
         ge=30,
         description="Time the startupProbe allows for loading the models and golden prompts.",
+    )
+
+
+class AcceptanceDriftSpec(ContractModel):
+    """When a drop in the observed acceptance rate raises ``Degraded=AcceptanceDrift``."""
+
+    tolerance: float = Field(
+        default=0.25,
+        gt=0.0,
+        lt=1.0,
+        description="Drift when the rate falls below baseline x (1 - tolerance).",
+    )
+    min_drafted_tokens: int = Field(
+        default=200,
+        ge=1,
+        description="Drafted tokens an observation needs before it counts (the sample size).",
     )
 
 
@@ -234,6 +250,10 @@ class SpeculativePairSpec(ContractModel):
     golden_prompts: GoldenPromptsSpec | None = Field(
         default=None, description="Prompts that must decode identically with and without drafts."
     )
+    acceptance_drift: AcceptanceDriftSpec = Field(
+        default_factory=AcceptanceDriftSpec,
+        description="Acceptance drift detection against each revision's baseline.",
+    )
     serving: ServingSpec = Field(default_factory=ServingSpec, description="HTTP serving options.")
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Pod placement.")
     runtime_image: str = Field(
@@ -309,6 +329,55 @@ class Placement(ContractModel):
     device_source: str = Field(description="Where deviceBytes came from (spec or node label).")
 
 
+RevisionOutcome = Literal["Progressing", "Current", "Superseded", "RolledBack"]
+
+
+class RevisionRecord(ContractModel):
+    """One revision the pair has run or tried, newest last."""
+
+    revision: str = Field(description="Revision hash (also the ConfigMap suffix).")
+    version: str = Field(description="spec.version of that revision.")
+    outcome: RevisionOutcome = Field(
+        description="Progressing, Current, Superseded (replaced by a newer one) or RolledBack."
+    )
+    current: bool = Field(description="Whether the Deployment now runs this revision.")
+    message: str | None = Field(default=None, description="Why it was rolled back.")
+    baseline_rate: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="First settled acceptance rate (the baseline)."
+    )
+    time: str = Field(
+        json_schema_extra={"format": "date-time"}, description="When the outcome last changed."
+    )
+
+
+class SpeculationOffPod(ContractModel):
+    """A ready pod that does not speculate now."""
+
+    pod: str = Field(description="Pod name.")
+    reason: str = Field(description="memory_pressure, batch_size, acceptance_floor or disabled.")
+
+
+class AcceptanceStatus(ContractModel):
+    """Acceptance aggregated over the ready pods of the current revision."""
+
+    rate: float = Field(ge=0.0, le=1.0, description="Accepted / drafted tokens in the interval.")
+    mean_accepted_length: float = Field(
+        ge=0.0, description="Accepted draft tokens per speculation step in the interval."
+    )
+    drafted_tokens: int = Field(
+        ge=0, json_schema_extra=_INT64, description="Draft tokens proposed in the interval."
+    )
+    observed_time: str = Field(
+        json_schema_extra={"format": "date-time"}, description="End of the interval."
+    )
+    revision: str = Field(description="The revision these pods run.")
+    pods: int = Field(ge=0, description="Pods scraped.")
+    drift: bool = Field(description="Whether the rate is below baseline x (1 - tolerance).")
+    speculation_off: list[SpeculationOffPod] = Field(
+        default_factory=list, description="Ready pods with speculation off, and why."
+    )
+
+
 class SpeculativePairStatus(ContractModel):
     """The observed state, written by the operator through /status."""
 
@@ -322,8 +391,15 @@ class SpeculativePairStatus(ContractModel):
         default=None, description="Revision hash of the pair the Deployment now runs."
     )
     placement: Placement | None = Field(default=None, description="The VRAM placement plan.")
-    acceptance: float | None = Field(
-        default=None, ge=0.0, le=1.0, description="Observed draft-token acceptance rate."
+    acceptance: AcceptanceStatus | None = Field(
+        default=None, description="Observed draft-token acceptance (scraped from the pods)."
+    )
+    revisions: list[RevisionRecord] = Field(
+        default_factory=list, description="Bounded history of revisions, newest last."
+    )
+    speculation: SpeculationKnobs | None = Field(
+        default=None,
+        description="The knobs in force (enabled is false when the placement is TargetOnly).",
     )
     replicas: int | None = Field(default=None, description="Pods of the Deployment.")
     ready_replicas: int | None = Field(default=None, description="Ready pods.")

@@ -155,6 +155,12 @@ def runtime_config(pair: PairRef, spec: SpeculativePairSpec, *, speculate: bool)
     )
 
 
+def knobs_in_force(spec: SpeculativePairSpec, *, speculate: bool) -> dict[str, object]:
+    """The speculation section as the runtime config carries it (for the status)."""
+    config = runtime_config(PairRef("", "", ""), spec, speculate=speculate)
+    return config.speculation.model_dump(by_alias=True, mode="json")
+
+
 def config_map(
     pair: PairRef, spec: SpeculativePairSpec, revision: str, *, speculate: bool
 ) -> Manifest:

@@ -45,7 +45,7 @@ PRINTER_COLUMNS: list[Schema] = [
     {
         "name": "Acceptance",
         "type": "number",
-        "jsonPath": ".status.acceptance",
+        "jsonPath": ".status.acceptance.rate",
         "description": "Observed draft-token acceptance rate.",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

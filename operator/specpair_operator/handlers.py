@@ -13,7 +13,9 @@ Settings come from the environment so that ``kopf run -m
 specpair_operator.handlers`` and ``python -m specpair_operator run`` behave
 the same: ``SPECPAIR_RESYNC_SECONDS`` (15), ``SPECPAIR_WATCH_NAMESPACES``
 (comma separated; empty = all), ``SPECPAIR_METRICS_PORT`` (0 = off),
-``SPECPAIR_METRICS_ADDRESS`` (127.0.0.1); with peering, ``SPECPAIR_PEERING``,
+``SPECPAIR_METRICS_ADDRESS`` (127.0.0.1), ``SPECPAIR_SCRAPE_SECONDS`` (30: the
+acceptance scraper, `scraper.py`, another plain thread for the same reason);
+with peering, ``SPECPAIR_PEERING``,
 ``SPECPAIR_PRIORITY`` and ``SPECPAIR_IDENTITY`` (see `peering.py`).
 """
 
@@ -32,10 +34,12 @@ from kubernetes.client.exceptions import ApiException
 
 from specpair_operator import api, metrics, peering
 from specpair_operator.events import post_event
-from specpair_operator.kube import Kube, load_api_client, path_for
+from specpair_operator.kube import Kube, load_api_client, pair_path, path_for
 from specpair_operator.reconcile import ChildConflict, reconcile
+from specpair_operator.scraper import Scraper
 
 RESYNC_SECONDS = float(os.environ.get("SPECPAIR_RESYNC_SECONDS", "15"))
+SCRAPE_SECONDS = float(os.environ.get("SPECPAIR_SCRAPE_SECONDS", "30"))
 RETRYABLE = {404, 409, 429, 500, 502, 503, 504}
 
 
@@ -66,6 +70,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         daemon=True,
     )
     memo.resync.start()
+    memo.scrape = threading.Thread(
+        target=_scrape_loop,
+        args=(memo, memo.stop, SCRAPE_SECONDS, watched_namespaces()),
+        name="specpair-scrape",
+        daemon=True,
+    )
+    memo.scrape.start()
     port = int(os.environ.get("SPECPAIR_METRICS_PORT", "0"))
     if port:
         metrics.serve(port, os.environ.get("SPECPAIR_METRICS_ADDRESS", "127.0.0.1"))
@@ -75,6 +86,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 def stop_resync(memo: kopf.Memo, **_: Any) -> None:
     memo.stop.set()
     memo.resync.join(timeout=10)
+    memo.scrape.join(timeout=10)
 
 
 def _lock(memo: kopf.Memo, uid: str) -> threading.Lock:
@@ -155,6 +167,35 @@ def _resync_loop(
             except Exception as error:  # one bad pair must not stop the others
                 meta = body["metadata"]
                 log.warning(f"resync {meta['namespace']}/{meta['name']}: {error}")
+
+
+def _scrape_loop(
+    memo: kopf.Memo, stop: threading.Event, interval: float, namespaces: list[str]
+) -> None:
+    """Acceptance of every pair; a failed scrape is logged and retried next round."""
+    scraper = Scraper(memo.kube)
+    while not stop.wait(interval):
+        try:
+            pairs = _list_pairs(memo.kube, namespaces)
+        except Exception as error:
+            metrics.ERRORS.labels(kind=type(error).__name__).inc()
+            log.warning(f"scrape: cannot list pairs: {error}")
+            continue
+        for body in pairs:
+            meta = body["metadata"]
+            if meta.get("deletionTimestamp"):
+                continue
+            try:
+                with _lock(memo, meta["uid"]):
+                    written = scraper.scrape(body)
+                if written is not None:
+                    # Conditions (AcceptanceDrift) follow from the new status at once.
+                    fresh = memo.kube.get(pair_path(meta["namespace"], meta["name"]))
+                    if fresh is not None:
+                        _reconcile("scrape", fresh, memo)
+            except Exception as error:  # never fatal: the next round tries again
+                metrics.ERRORS.labels(kind=type(error).__name__).inc()
+                log.warning(f"scrape {meta['namespace']}/{meta['name']}: {error}")
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)

@@ -15,17 +15,20 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import builders, conditions, headroom
+from specpair_operator import builders, conditions, headroom, pods
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_spec
-from specpair_operator.builders import HASH_ANNOTATION, Manifest, PairRef
+from specpair_operator.builders import HASH_ANNOTATION, REVISION_LABEL, Manifest, PairRef
+from specpair_operator.history import find, kept_revisions
 from specpair_operator.kube import Kube, Obj, object_path, pair_path, path_for, with_conflict_retry
 from specpair_operator.metrics import WRITES
 from specpair_operator.revision import compute_revision
 from specpair_operator.rollback import (
     FAILED_REVISION_ANNOTATION,
+    failed_check,
     good_template,
     rolled_back_deployment,
     rollout_failed,
+    template_revision,
 )
 from specpair_operator.status import Observation, build_status, status_patch
 
@@ -159,9 +162,13 @@ def reconcile(kube: Kube, body: Obj, emit: EmitEvent, *, now: datetime | None = 
                 result.writes.append(f"{verb} {child['kind']}/{child['metadata']['name']}")
     dep = kube.get(dep_path)
     good = previous.get("currentRevision")
-    if dep is not None and good and good != revision and rollout_failed(dep, revision):
-        held = _roll_back(kube, pair, body, dep, good, revision, emit, result) or held
-        dep = kube.get(dep_path)
+    failure = (find(previous.get("revisions") or [], revision) or {}).get("message")
+    if dep is not None and good and good != revision and not held:
+        hard, why = _new_pods_failure(kube, pair, dep, revision, spec.serving.port)
+        if hard or rollout_failed(dep, revision):
+            failure = why if hard and why else _deadline_message(spec, why)
+            held = _roll_back(kube, pair, body, dep, good, revision, failure, emit, result)
+            dep = kube.get(dep_path)
     obs = Observation(
         generation,
         revision,
@@ -170,9 +177,67 @@ def reconcile(kube: Kube, body: Obj, emit: EmitEvent, *, now: datetime | None = 
         dep,
         gpus=spec.resources.gpus,
         held_revision=revision if held else None,
+        failure_message=failure if held else None,
+        version=spec.version,
+        drift_tolerance=spec.acceptance_drift.tolerance,
+        knobs=builders.knobs_in_force(spec, speculate=speculate),
     )
-    _write_status(kube, pair, previous, build_status(obs, previous, now=now), emit, result)
+    status = build_status(obs, previous, now=now)
+    _write_status(kube, pair, previous, status, emit, result)
+    _collect_config_maps(kube, pair, status, revision, result)
     return result
+
+
+def _deadline_message(spec: SpeculativePairSpec, why: str | None) -> str:
+    message = (
+        "it did not become ready within rollout.progressDeadlineSeconds "
+        f"({spec.rollout.progress_deadline_seconds} s)"
+    )
+    return message if why is None else f"{message}; {why}"
+
+
+def _new_pods_failure(
+    kube: Kube, pair: PairRef, dep: Obj, revision: str, port: int
+) -> tuple[bool, str | None]:
+    """Whether a pod of the new revision failed for good, and what it says."""
+    if template_revision(dep) != revision:
+        return False, None
+    explanation = None
+    for pod in pods.list_pods(kube, pair, revision):
+        if pods.is_ready(pod):
+            continue
+        hard, why = failed_check(pod, pods.readiness_body(pod))
+        if hard:
+            return True, why
+        explanation = explanation or why
+    return False, explanation
+
+
+def stale_config_maps(config_maps: list[Obj], keep: set[str], uid: str) -> list[str]:
+    """Names of this pair's revision ConfigMaps whose revision is not kept (pure)."""
+    stale = []
+    for cm in config_maps:
+        meta = cm["metadata"]
+        owned = any(ref.get("uid") == uid for ref in meta.get("ownerReferences") or [])
+        revision = (meta.get("labels") or {}).get(REVISION_LABEL)
+        if owned and revision is not None and revision not in keep:
+            stale.append(str(meta["name"]))
+    return stale
+
+
+def _collect_config_maps(
+    kube: Kube, pair: PairRef, status: dict[str, Any], revision: str, result: Result
+) -> None:
+    """Delete the ConfigMaps of revisions neither current, wanted, nor in the history."""
+    if "revisions" not in status:
+        return  # a bad spec: nothing is known well enough to delete
+    keep = kept_revisions(status["revisions"], revision, status.get("currentRevision"))
+    selector = f"app.kubernetes.io/instance={pair.name},{REVISION_LABEL}"
+    found = kube.list(path_for("v1", "configmaps", pair.namespace), selector)
+    for name in stale_config_maps(found, keep, pair.uid):
+        kube.delete(path_for("v1", "configmaps", pair.namespace, name))
+        WRITES.labels(kind="ConfigMap", verb="delete").inc()
+        result.writes.append(f"delete ConfigMap/{name}")
 
 
 def _roll_back(
@@ -182,6 +247,7 @@ def _roll_back(
     dep: Obj,
     good: str,
     failed: str,
+    failure: str,
     emit: EmitEvent,
     result: Result,
 ) -> bool:
@@ -202,12 +268,7 @@ def _roll_back(
         patch = {"metadata": {"annotations": {FAILED_REVISION_ANNOTATION: failed}}}
         kube.merge_patch(pair_path(pair.namespace, pair.name), patch)
         result.writes.append("annotate failed revision")
-    emit(
-        "Warning",
-        "RolledBack",
-        f"revision {failed} did not become ready within rollout.progressDeadlineSeconds; "
-        f"rolled back to revision {good}",
-    )
+    emit("Warning", "RolledBack", f"revision {failed} failed: {failure}; rolled back to {good}")
     return True
 
 

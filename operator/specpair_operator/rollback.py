@@ -72,3 +72,38 @@ def rolled_back_deployment(
     # Never equal to a builder's hash: the next real revision replaces it.
     meta.setdefault("annotations", {})[HASH_ANNOTATION] = ROLLBACK_HASH_PREFIX + good
     return body
+
+
+def termination_message(pod: Mapping[str, Any]) -> str | None:
+    """The runtime container's termination message (current or last run), if any."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        for key in ("state", "lastState"):
+            terminated = (status.get(key) or {}).get("terminated") or {}
+            message = terminated.get("message")
+            if message:
+                return str(message).strip()
+    return None
+
+
+def failed_check(
+    pod: Mapping[str, Any], readiness: Mapping[str, Any] | None
+) -> tuple[bool, str | None]:
+    """(hard failure, what the pod says about why it is not ready).
+
+    A ``/readyz`` body with phase ``failed`` (golden prompts, alignment) or a
+    terminated container is a hard failure: the revision is rolled back at
+    once. Otherwise the body's reason (e.g. still loading) only explains a
+    missed progress deadline.
+    """
+    name = (pod.get("metadata") or {}).get("name", "?")
+    message = termination_message(pod)
+    if message:
+        return True, f"pod {name} terminated: {message}"
+    if readiness is None:
+        return False, None
+    phase, reason = readiness.get("phase"), readiness.get("reason", "")
+    if phase == "failed":
+        return True, f"pod {name} /readyz failed: {reason}"
+    if phase == "ready":
+        return False, None
+    return False, f"pod {name} /readyz {phase}: {reason}"

@@ -14,8 +14,10 @@ from specpair_operator.conditions import (
     READY,
     ConditionUpdate,
     merge_conditions,
+    rfc3339,
 )
 from specpair_operator.headroom import DeviceMemory
+from specpair_operator.history import find, update_history
 from specpair_runtime.planner import Plan, gib
 
 
@@ -31,6 +33,10 @@ class Observation:
     spec_error: str | None = None
     gpus: int = 1
     held_revision: str | None = None  # failed, rolled back, not retried
+    failure_message: str | None = None  # the failing check, when known
+    version: str = ""
+    drift_tolerance: float = 0.25
+    knobs: Mapping[str, Any] | None = None  # the speculation section the pods get
 
 
 def placement(plan: Plan, device: DeviceMemory) -> dict[str, Any]:
@@ -92,7 +98,7 @@ def _headroom(obs: Observation) -> ConditionUpdate:
     return ConditionUpdate(HEADROOM_SUFFICIENT, "False", obs.plan.mode, obs.plan.reason)
 
 
-def _workload(obs: Observation) -> list[ConditionUpdate]:
+def _workload(obs: Observation, previous: Mapping[str, Any]) -> list[ConditionUpdate]:
     """Ready, Progressing and Degraded from the Deployment."""
     dep = obs.deployment
     if obs.spec_error is not None:
@@ -135,15 +141,17 @@ def _workload(obs: Observation) -> list[ConditionUpdate]:
             READY, "False", "ReplicasUnavailable", f"{available}/{wanted} replicas available"
         )
     if obs.held_revision is not None:
+        why = obs.failure_message or (
+            "it did not become ready within rollout.progressDeadlineSeconds"
+        )
         message = (
-            f"revision {obs.held_revision} did not become ready within "
-            "rollout.progressDeadlineSeconds and was rolled back to the last good revision; "
-            "change the spec to try a new revision"
+            f"revision {obs.held_revision} failed and was rolled back to the last good "
+            f"revision: {why}; change the spec to try a new revision"
         )
         return [
             ready,
             ConditionUpdate(PROGRESSING, "False", "RolledBack", message),
-            ConditionUpdate(DEGRADED, "True", "RolledBack", message),
+            ConditionUpdate(DEGRADED, "True", "RolloutFailed", message),
         ]
     progressing_dep = _deployment_condition(dep, "Progressing")
     if progressing_dep is not None and progressing_dep.get("reason") == "ProgressDeadlineExceeded":
@@ -165,16 +173,31 @@ def _workload(obs: Observation) -> list[ConditionUpdate]:
             "RollingOut",
             f"revision {obs.revision}: {updated}/{wanted} replicas updated, {available} available",
         )
-    return [
-        ready,
-        progressing,
-        ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
-    ]
+    return [ready, progressing, _drift(obs, previous)]
+
+
+def _drift(obs: Observation, previous: Mapping[str, Any]) -> ConditionUpdate:
+    """Degraded from the scraped acceptance, when nothing worse is going on."""
+    acceptance = previous.get("acceptance") or {}
+    current = previous.get("currentRevision")
+    entry = find(previous.get("revisions") or [], current)
+    baseline = (entry or {}).get("baselineRate")
+    if acceptance.get("drift") and acceptance.get("revision") == current and baseline is not None:
+        threshold = baseline * (1.0 - obs.drift_tolerance)
+        return ConditionUpdate(
+            DEGRADED,
+            "True",
+            "AcceptanceDrift",
+            f"acceptance rate {acceptance.get('rate', 0.0):.3f} of revision {current} is below "
+            f"its baseline {baseline:.3f} x (1 - {obs.drift_tolerance:g}) = {threshold:.3f}",
+        )
+    return ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed")
 
 
 def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime) -> dict[str, Any]:
     """The full status the operator wants; fields it does not own (acceptance) are kept."""
-    updates = [_headroom(obs), *_workload(obs)] if obs.spec_error is None else _workload(obs)
+    workload = _workload(obs, previous)
+    updates = [_headroom(obs), *workload] if obs.spec_error is None else workload
     old_conditions: Sequence[dict[str, Any]] = previous.get("conditions") or []
     conditions = merge_conditions(old_conditions, updates, generation=obs.generation, now=now)
     order = {t: i for i, t in enumerate((READY, PROGRESSING, DEGRADED, HEADROOM_SUFFICIENT))}
@@ -197,6 +220,17 @@ def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime
     if obs.spec_error is not None:
         # Keep what was last known instead of inventing a placement for a bad spec.
         result["placement"] = previous.get("placement")
+    elif obs.revision is not None:
+        result["speculation"] = None if obs.knobs is None else dict(obs.knobs)
+        result["revisions"] = update_history(
+            previous.get("revisions") or [],
+            desired=obs.revision,
+            version=obs.version,
+            current=current,
+            failed=obs.held_revision,
+            failure_message=obs.failure_message,
+            now=rfc3339(now),
+        )
     return result
 
 

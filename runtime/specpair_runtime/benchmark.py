@@ -25,10 +25,13 @@ from specpair_runtime.engine.prompting import encode_prompt
 
 log = logging.getLogger(__name__)
 
+# Support-chat prompts that draw answers longer than the usual token budget, so every
+# mode decodes the full max_new_tokens (a two-word answer measures mostly prefill).
 DEFAULT_PROMPTS = (
-    "My order #4417 has not arrived yet and the tracking page shows no update. What can I do?",
-    "How do I return a pair of shoes that are too small? Please keep it short.",
-    "Summarize in two sentences: the refund appears on the card within five business days.",
+    "Write a polite reply to a customer whose order #4417 is a week late, "
+    "and explain the next steps.",
+    "Explain step by step how to return a pair of shoes that I bought online.",
+    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
 )
 TARGET_ONLY = "target-only"
 HF_ASSISTED = "hf-assisted"

@@ -97,9 +97,7 @@ class SpeculationKnobs(ContractModel):
     @model_validator(mode="after")
     def _depth_order(self) -> SpeculationKnobs:
         if self.min_depth > self.max_depth:
-            raise ValueError(
-                f"minDepth ({self.min_depth}) must be <= maxDepth ({self.max_depth})"
-            )
+            raise ValueError(f"minDepth ({self.min_depth}) must be <= maxDepth ({self.max_depth})")
         return self
 
 

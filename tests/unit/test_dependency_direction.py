@@ -12,15 +12,11 @@ RUNTIME = ROOT / "runtime" / "specpair_runtime"
 OPERATOR = ROOT / "operator" / "specpair_operator"
 
 # The runtime's torch-free modules that the operator may import.
-CONTRACT_MODULES = {"specpair_runtime.config", "specpair_runtime.golden", "specpair_runtime.planner"}
-
-
-def module_name(path: Path) -> str:
-    rel = path.relative_to(path.parents[len(path.relative_to(ROOT).parts) - 2])
-    parts = list(rel.with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+CONTRACT_MODULES = {
+    "specpair_runtime.config",
+    "specpair_runtime.golden",
+    "specpair_runtime.planner",
+}
 
 
 def imported_modules(path: Path) -> set[str]:

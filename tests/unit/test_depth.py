@@ -7,6 +7,7 @@ import pytest
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.depth import (
     FIRST_BACKOFF,
+    MIN_VERDICT_STEPS,
     AcceptanceFloor,
     CostModel,
     DepthController,
@@ -54,7 +55,9 @@ def test_interpolate() -> None:
     assert interpolate({}, 3) is None
     assert interpolate({1: 2.0}, 5) == 2.0
     assert interpolate({1: 1.0, 3: 2.0}, 2) == pytest.approx(1.5)
-    assert interpolate({1: 1.0, 3: 2.0}, 5) == pytest.approx(3.0)
+    # Flat above the largest measured point: optimistic, so deeper depths get measured.
+    assert interpolate({1: 1.0, 3: 2.0}, 5) == pytest.approx(2.0)
+    assert interpolate({2: 1.0, 3: 2.0}, 1) == pytest.approx(0.0)
 
 
 def _measured(draft: float, verify: dict[int, float], acceptance: float) -> CostModel:
@@ -73,6 +76,8 @@ def test_cost_cap_turns_speculation_off_when_it_does_not_pay() -> None:
     # The Qwen pair on 2 CPU cores: draft step 37% of a target step, a 5-token
     # verify 3.5x a 1-token step, acceptance ~0.7 (docs: shared notes).
     cost = _measured(0.37, {1: 1.0, 5: 3.5}, 0.7)
+    assert cost.cost_cap(1, 1, 4) >= 1  # too few speculation steps for a verdict
+    cost.speculation_samples = MIN_VERDICT_STEPS
     assert cost.cost_cap(1, 1, 4) == 0
 
 
@@ -112,6 +117,9 @@ def test_controller_probes_target_only_then_backs_off() -> None:
     plan = controller.plan(1)
     assert (plan.cap, plan.reason) == (0, "probe")  # t_v(1) unknown: measure it
     controller.cost.record_verify(1, 1, 1.0)
+    assert controller.plan(1).cap >= 1  # one step is no verdict: keep measuring
+    for _ in range(MIN_VERDICT_STEPS - 1):
+        controller.record_speculation_step(4, 1)
     plan = controller.plan(1)
     assert (plan.cap, plan.reason) == (0, "not_paying")
     for _ in range(FIRST_BACKOFF):

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from typing import Any
 
+import promql_parser
 import pytest
 
 from specpair_runtime.server.metrics import ServerMetrics
 from tests.support.control_plane import Binaries
 from tests.support.helm_chart import CHART, find, render
 
-METRIC = re.compile(r"\b(specpair_[a-z0-9_]+)\b")
+# Grafana's template variables, replaced by values PromQL accepts before parsing.
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "5m",
+    "$namespace": ".*",
+    "$pair_version": ".*",
+    "$pair": ".*",
+}
+LABEL_VALUES = re.compile(r"^label_values\((.*),\s*\w+\)$")
 # The series names prometheus_client writes for one family of each type.
 SUFFIXES = {
     "counter": ("_total", "_created"),
@@ -42,20 +48,15 @@ def exported_series() -> set[str]:
     return names
 
 
-def _strings(node: Any, keys: tuple[str, ...]) -> Iterator[str]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in keys and isinstance(value, str):
-                yield value
-            yield from _strings(value, keys)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _strings(item, keys)
-
-
 def dashboard_queries() -> list[str]:
+    """The PromQL of every panel target and every query variable of the dashboard."""
     dashboard = json.loads((CHART / "dashboards" / "specpair.json").read_text())
-    return list(_strings(dashboard, ("expr", "query", "definition")))
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]
+            queries.append(query["query"] if isinstance(query, dict) else query)
+    return queries
 
 
 def rule_queries(binaries: Binaries) -> list[str]:
@@ -64,8 +65,33 @@ def rule_queries(binaries: Binaries) -> list[str]:
     return [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
 
 
+def parse_promql(query: str) -> promql_parser.Expr:
+    """The query's AST; Grafana's `label_values(selector, label)` yields its selector."""
+    text = query.strip()
+    # Longest first: $pair_version before $pair.
+    for variable in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
+        text = text.replace(variable, GRAFANA_VARIABLES[variable])
+    match = LABEL_VALUES.match(text)
+    if match:
+        text = match.group(1)
+    try:
+        return promql_parser.parse(text)
+    except ValueError as error:
+        raise AssertionError(f"not valid PromQL ({error}): {query}") from None
+
+
 def metrics_in(queries: list[str]) -> set[str]:
-    return {name for query in queries for name in METRIC.findall(query)}
+    """Every metric name the queries select, from their parsed PromQL."""
+    names: set[str] = set()
+
+    def visit(node: object) -> bool:
+        if isinstance(node, promql_parser.VectorSelector) and node.name:
+            names.add(str(node.name))
+        return True
+
+    for query in queries:
+        promql_parser.walk(parse_promql(query), visit)
+    return names
 
 
 def test_expansion_covers_histograms_and_counters() -> None:
@@ -100,6 +126,11 @@ def test_alert_rules_name_only_exported_metrics(control_plane_binaries: Binaries
 @pytest.mark.parametrize("name", ["specpair_accepted_tokens", "specpair_itl_seconds_bucket"])
 def test_a_wrong_name_is_caught(name: str) -> None:
     assert metrics_in([f"rate({name}[5m])"]) - exported_series() == {name}
+
+
+def test_broken_promql_is_caught() -> None:
+    with pytest.raises(AssertionError, match="not valid PromQL"):
+        metrics_in(["sum by (pair (rate(specpair_fallback_total[5m]))"])
 
 
 def test_dashboard_labels_exist_on_the_series() -> None:

@@ -116,13 +116,44 @@ def test_unchanged_status_needs_no_patch() -> None:
     first = build_status(obs, {}, now=NOW)
     second = build_status(obs, first, now=datetime(2027, 1, 1, tzinfo=UTC))
     assert status_patch(first, second) == {}
-    assert status_patch({**first, "acceptance": 0.7}, second) == {}  # not ours to clear
+    acceptance = {"rate": 0.7, "revision": "r1", "drift": False}
+    assert status_patch({**first, "acceptance": acceptance}, second) == {}  # not ours to clear
 
 
-def test_held_revision_is_degraded_rolled_back() -> None:
-    obs = Observation(3, "r2", a_plan(80), DEVICE80, deployment(1, 1, 1), held_revision="r2")
+def test_acceptance_drift_degrades_only_the_current_revision() -> None:
+    obs = Observation(1, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1), drift_tolerance=0.2)
+    first = build_status(obs, {}, now=NOW)
+    history = [{**first["revisions"][0], "baselineRate": 0.8}]
+    drifting = {"rate": 0.5, "revision": "r1", "drift": True}
+    status = build_status(obs, {**first, "revisions": history, "acceptance": drifting}, now=NOW)
+    assert conds(status)["Degraded"] == ("True", "AcceptanceDrift")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert "0.500" in str(degraded["message"]) and "0.800" in str(degraded["message"])
+    assert status["revisions"][0]["baselineRate"] == 0.8  # the baseline survives a pass
+    stale = {**drifting, "revision": "r0"}
+    status = build_status(obs, {**first, "revisions": history, "acceptance": stale}, now=NOW)
+    assert conds(status)["Degraded"] == ("False", "AsExpected")
+
+
+def test_held_revision_is_degraded_rollout_failed() -> None:
+    obs = Observation(
+        3,
+        "r2",
+        a_plan(80),
+        DEVICE80,
+        deployment(1, 1, 1),
+        held_revision="r2",
+        failure_message="pod p /readyz failed: golden prompt 'hi' differs",
+        version="v2",
+    )
     status = build_status(obs, {"currentRevision": "r1"}, now=NOW)
-    assert conds(status)["Degraded"] == ("True", "RolledBack")
+    assert conds(status)["Degraded"] == ("True", "RolloutFailed")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert "golden prompt 'hi' differs" in str(degraded["message"])
+    history = {r["revision"]: r for r in status["revisions"]}
+    assert history["r1"]["outcome"] == "Current" and history["r1"]["current"]
+    assert history["r2"]["outcome"] == "RolledBack" and not history["r2"]["current"]
+    assert history["r2"]["version"] == "v2"
     assert conds(status)["Progressing"] == ("False", "RolledBack")
     assert conds(status)["Ready"] == ("True", "Available")
     assert status["currentRevision"] == "r1"

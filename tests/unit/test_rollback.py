@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from specpair_operator.builders import HASH_ANNOTATION, REVISION_LABEL
+from specpair_operator.reconcile import stale_config_maps
 from specpair_operator.rollback import (
+    failed_check,
     good_template,
     rolled_back_deployment,
     rollout_failed,
     template_revision,
+    termination_message,
 )
 
 
@@ -69,3 +72,43 @@ def test_rolled_back_deployment_keeps_identity_and_marks_the_hash() -> None:
     assert body["metadata"]["annotations"][HASH_ANNOTATION] == "rollback-r1"
     assert "status" not in body
     assert dep["spec"]["template"]["metadata"]["labels"][REVISION_LABEL] == "r2"  # not mutated
+
+
+def _pod(name: str, statuses: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"containerStatuses": statuses or []}}
+
+
+def test_a_failed_readiness_body_is_a_hard_failure_naming_the_check() -> None:
+    body = {"ready": False, "phase": "failed", "reason": "golden prompt 'hi' differs"}
+    assert failed_check(_pod("p1"), body) == (
+        True,
+        "pod p1 /readyz failed: golden prompt 'hi' differs",
+    )
+
+
+def test_a_loading_pod_only_explains_a_missed_deadline() -> None:
+    body = {"ready": False, "phase": "loading", "reason": "loading the models"}
+    assert failed_check(_pod("p1"), body) == (False, "pod p1 /readyz loading: loading the models")
+    assert failed_check(_pod("p1"), {"ready": True, "phase": "ready", "reason": ""}) == (
+        False,
+        None,
+    )
+    assert failed_check(_pod("p1"), None) == (False, None)
+
+
+def test_a_termination_message_wins() -> None:
+    terminated = {"lastState": {"terminated": {"exitCode": 1, "message": "OOM while loading\n"}}}
+    pod = _pod("p2", [{"name": "runtime", **terminated}])
+    assert termination_message(pod) == "OOM while loading"
+    assert failed_check(pod, None) == (True, "pod p2 terminated: OOM while loading")
+
+
+def test_stale_config_maps_are_the_owned_ones_outside_the_kept_revisions() -> None:
+    def cm(name: str, revision: str | None, uid: str = "u1") -> dict[str, Any]:
+        labels = {} if revision is None else {"specpair.dev/revision": revision}
+        refs = [{"uid": uid}]
+        return {"metadata": {"name": name, "labels": labels, "ownerReferences": refs}}
+
+    found = [cm("a-r1", "r1"), cm("a-r2", "r2"), cm("a-r3", "r3"), cm("x", "r4", uid="other")]
+    found.append(cm("plain", None))
+    assert stale_config_maps(found, {"r1", "r3"}, "u1") == ["a-r2"]

@@ -21,9 +21,12 @@ The depth of request r in a step is
    earlier one was accepted, decayed counts), the expected tokens per step
    at depth d are ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` and the modelled
    throughput is ``E(d) / (d * t_d + t_v(d + 1))``. Unmeasured ``t_v(n)``
-   are interpolated linearly from the measured ones (flat while only n = 1
-   is known, which is optimistic, so speculation gets measured). The cap is
-   the best d; if target-only (``1 / t_v(1)``) is at least as fast, the cap
+   are interpolated linearly between measured ones and held flat beyond the
+   largest one. That is optimistic (on oneDNN a 9-token verify costs about
+   what a 5-token one does), so deeper depths get tried and measured. The
+   cap is the best d. Only after ``MIN_VERDICT_STEPS`` speculation steps
+   (one noisy timing must not switch speculation off) and when target-only
+   (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the cap
    is 0 and the engine decodes target-only, re-probing speculation after
    16 steps, then 32, 64, ... (at most 256) while it keeps losing. While
    speculating it probes one target-only step when ``t_v(1)`` is unknown
@@ -46,6 +49,8 @@ ACCEPTANCE_DECAY = 0.98  # per step, so acceptance follows drift
 PROBE_TARGET_EVERY = 64  # speculation steps between target-only probes
 FIRST_BACKOFF = 16  # target-only steps before re-probing speculation
 MAX_BACKOFF = 256
+MIN_VERDICT_STEPS = 8  # speculation steps measured before "not paying" may be concluded
+NOT_PAYING_MARGIN = 1.05  # target-only must win by 5% to switch speculation off
 
 
 def next_heuristic_depth(depth: int, drafted: int, accepted: int, knobs: SpeculationKnobs) -> int:
@@ -110,7 +115,7 @@ def expected_tokens(acceptance: list[float], depth: int) -> float:
 
 
 def interpolate(points: dict[int, float], n: int) -> float | None:
-    """t(n) from measured points: exact, else linear between/beyond neighbours."""
+    """t(n) from measured points: exact, linear between neighbours, flat above the largest."""
     if n in points:
         return points[n]
     if not points:
@@ -120,10 +125,10 @@ def interpolate(points: dict[int, float], n: int) -> float | None:
         return points[xs[0]]
     below = [x for x in xs if x < n]
     above = [x for x in xs if x > n]
-    if below and above:
+    if not above:  # beyond the largest measured n: flat (optimistic, so it gets measured)
+        return points[below[-1]]
+    if below:
         lo, hi = below[-1], above[0]
-    elif below:
-        lo, hi = below[-2] if len(below) > 1 else below[-1], below[-1]
     else:
         lo, hi = above[0], above[1]
     if lo == hi:
@@ -141,6 +146,7 @@ class CostModel:
     reached: list[float] = field(default_factory=list)  # position i drafted, all before accepted
     accepted: list[float] = field(default_factory=list)  # position i accepted
     steps_since_target_probe: int = 0
+    speculation_samples: int = 0  # speculation steps since the last (re)start of speculation
     target_only_streak: int = 0
     backoff: int = FIRST_BACKOFF
 
@@ -202,7 +208,12 @@ class CostModel:
                 return max_depth  # not measured yet: speculate to measure
             if best_rate is None or rate > best_rate:
                 best_depth, best_rate = depth, rate
-        if baseline is not None and best_rate is not None and baseline >= best_rate:
+        if (
+            baseline is not None
+            and best_rate is not None
+            and self.speculation_samples >= MIN_VERDICT_STEPS
+            and baseline >= best_rate * NOT_PAYING_MARGIN
+        ):
             return 0
         return best_depth
 
@@ -255,6 +266,7 @@ class DepthController:
             # Re-probe speculation; back off further if it still loses.
             cost.backoff = min(cost.backoff * 2, MAX_BACKOFF)
             cost.target_only_streak = 0
+            cost.speculation_samples = 0
             return StepPlan(max(self.knobs.min_depth, 1), None)
         cost.backoff = FIRST_BACKOFF
         return StepPlan(cost_cap, None)
@@ -266,6 +278,7 @@ class DepthController:
     def record_speculation_step(self, drafted: int, accepted: int) -> None:
         """Engine-wide totals of one speculation step (all rows)."""
         self.speculation_steps += 1
+        self.cost.speculation_samples += 1
         self.cost.steps_since_target_probe += 1
         self.cost.decay()
         self.floor.record(drafted, accepted)

@@ -1,0 +1,59 @@
+"""``make bench``: target-only vs specpair vs HF assisted generation on the real pair.
+
+A thin wrapper over ``specpair-runtime bench`` that points it at the Qwen2.5-Coder
+0.5B (draft) -> 1.5B (target) pair in the cache. All modes run in one process on
+the same loaded models and prompts, so the printed ratios compare like with
+like. The draft is int8-dynamic on the CPU (the target stays fp32, so the
+output is unchanged); pass extra ``specpair-runtime bench`` flags through.
+
+    .venv/bin/python bench/bench_engine.py [--depths 2,4,6] [--repeats 2] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Shared 2-core machines: busy-waiting OpenMP threads slow matmuls 10-75x.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.fetch_models import SOURCES, CacheLayout, default_cache, marker_problem
+
+
+def main(extra: list[str]) -> int:
+    layout = CacheLayout(default_cache())
+    dirs = {role: layout.model_dir(src) for role, src in SOURCES.items()}
+    for role, src in SOURCES.items():
+        problem = marker_problem(dirs[role], src)
+        if problem is not None:
+            print(f"error: the {role} model is not ready ({problem}); run `make models`")
+            return 2
+    import torch
+
+    from specpair_runtime.cli import main as cli_main
+
+    quantization = "none" if torch.cuda.is_available() else "int8-dynamic"
+    defaults = ["--depths", "2,4,6", "--max-new-tokens", "32"]
+    argv = [
+        "bench",
+        "--target",
+        str(dirs["target"]),
+        "--draft",
+        str(dirs["draft"]),
+        "--draft-quantization",
+        quantization,
+        *(defaults if not any(a.startswith("--depths") for a in extra) else []),
+        *extra,
+    ]
+    print(
+        f"torch threads: {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+    )
+    print("command: specpair-runtime " + " ".join(argv), flush=True)
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,507 @@
+"""A stand-in kubelet: the only fake in the end-to-end tests.
+
+There is no kubelet (nor container runtime) on this machine, so this class
+plays one node against the real apiserver and controller-manager. Everything
+else in the e2e tests is real: the operator process, the Deployment and
+ReplicaSet controllers, and one real ``specpair-runtime serve`` process per
+pod. What it does, every ``poll`` seconds:
+
+- registers a Node and keeps its ``Ready`` heartbeat fresh;
+- binds each unscheduled pod of the namespace (there is no scheduler either);
+- for a bound pod: reads the ConfigMaps its volumes name from the API,
+  writes them under a temp dir (one dir per pod and volume, like the
+  kubelet's volume dirs), and starts the container's command there as a
+  local process. Paths under a mount are mapped to that dir, and
+  ``serving.host`` in the runtime config is set to the pod's own loopback
+  address (127.0.0.2, 127.0.0.3, …), which becomes ``status.podIP``;
+- re-reads the ConfigMaps and rewrites changed files (as the kubelet
+  refreshes ConfigMap volumes), so live knob changes reach the runtime;
+- reports ``Running`` and the ``Ready`` condition from the runtime's real
+  ``/readyz``, and a terminated container with the tail of its log as the
+  termination message (``FallbackToLogsOnError``);
+- on deletion: marks the pod unready, waits ``endpoint_delay`` (what
+  endpoint propagation gives a real pod), sends SIGTERM (the runtime drains),
+  and removes the pod once the process is gone.
+
+`stop()` (always called by the fixture) kills every process it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support.control_plane import ControlPlane
+
+log = logging.getLogger("fake-kubelet")
+
+NODE = "specpair-fake-node"
+TAIL_LINES = 8
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class RunningPod:
+    """One pod's process and its volume dirs."""
+
+    name: str
+    uid: str
+    ip: str
+    port: int
+    root: Path
+    mounts: dict[str, Path]  # mountPath → local dir
+    config_path: Path | None
+    log_path: Path
+    rendered: dict[Path, str] = field(default_factory=dict)
+    started: subprocess.Popen[bytes] | None = None
+    ready: bool | None = None
+    terminated: bool = False
+    stopping: bool = False
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        assert self.started is not None, f"pod {self.name} has no process yet"
+        return self.started
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class FakeKubelet:
+    """Plays the kubelet of one node for the pods of one namespace."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        namespace: str,
+        workdir: Path,
+        *,
+        poll: float = 0.3,
+        endpoint_delay: float = 1.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.plane, self.namespace, self.workdir = plane, namespace, workdir
+        self.poll, self.endpoint_delay = poll, endpoint_delay
+        self.env = env or {}
+        self.pods: dict[str, RunningPod] = {}  # by pod uid
+        self.started: list[RunningPod] = []  # every pod ever started, for logs
+        self._ips = (f"127.0.0.{n}" for n in itertools.count(2))
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
+        self._last_heartbeat = 0.0
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def start(self) -> FakeKubelet:
+        self._register_node()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        with self._lock:
+            running = list(self.pods.values())
+        for pod in running:
+            _kill(pod.process)
+        with contextlib.suppress(OSError):
+            self.plane.api("DELETE", f"/api/v1/nodes/{NODE}")
+
+    def pod_by_name(self, name: str) -> RunningPod | None:
+        with self._lock:
+            return next((p for p in self.pods.values() if p.name == name), None)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- pod {p.name} ({p.ip})\n{p.log()[-4000:]}" for p in self.started)
+
+    # --- API helpers ------------------------------------------------------
+
+    def _api(self, method: str, path: str, body: object | None = None) -> dict[str, Any]:
+        return dict(self.plane.api(method, path, body))
+
+    def _pods_path(self, name: str | None = None) -> str:
+        base = f"/api/v1/namespaces/{self.namespace}/pods"
+        return base if name is None else f"{base}/{name}"
+
+    def _register_node(self) -> None:
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE}},
+        }
+        with contextlib.suppress(urllib.error.HTTPError):
+            self._api("POST", "/api/v1/nodes", node)
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        for attempt in range(5):
+            try:
+                self._post_heartbeat()
+                self._last_heartbeat = time.monotonic()
+                return
+            except urllib.error.HTTPError as error:
+                # The node controller writes the Node too (taints): re-read and retry.
+                if error.code != 409 or attempt == 4:
+                    raise
+                time.sleep(0.1)
+
+    def _post_heartbeat(self) -> None:
+        found = self._api("GET", f"/api/v1/nodes/{NODE}")
+        now = _now()
+        found["status"] = {
+            **(found.get("status") or {}),
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "fake kubelet (tests/support/fake_kubelet.py) is posting ready",
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": now,
+                }
+            ],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+            "capacity": {"cpu": "2", "memory": "24Gi", "pods": "110"},
+            "allocatable": {"cpu": "2", "memory": "24Gi", "pods": "110"},
+        }
+        self._api("PUT", f"/api/v1/nodes/{NODE}/status", found)
+
+    def _update_status(self, name: str, change: Any) -> None:
+        """GET, change the pod's status in place, PUT /status; retried on conflicts."""
+        for attempt in range(5):
+            try:
+                pod = self._api("GET", self._pods_path(name))
+            except urllib.error.HTTPError as error:
+                if error.code == 404:
+                    return
+                raise
+            status = pod.setdefault("status", {})
+            change(pod, status)
+            try:
+                self._api("PUT", self._pods_path(name) + "/status", pod)
+                return
+            except urllib.error.HTTPError as error:
+                if error.code == 404:
+                    return
+                if error.code != 409 or attempt == 4:
+                    raise
+                time.sleep(0.1)
+
+    # --- the loop ---------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                self._sync()
+            except Exception as error:  # keep playing the kubelet; the test sees the effect
+                log.warning(f"fake kubelet pass failed: {error!r}")
+
+    def _sync(self) -> None:
+        if time.monotonic() - self._last_heartbeat > 10:
+            self._heartbeat()
+        listed = self._api("GET", self._pods_path()).get("items") or []
+        seen: set[str] = set()
+        for pod in listed:
+            meta = pod["metadata"]
+            uid = meta["uid"]
+            seen.add(uid)
+            with self._lock:
+                running = self.pods.get(uid)
+            if meta.get("deletionTimestamp"):
+                if running is None:
+                    self._finish_delete(meta["name"], uid)
+                elif not running.stopping:
+                    running.stopping = True
+                    threading.Thread(target=self._terminate, args=(running,), daemon=True).start()
+                continue
+            if not pod["spec"].get("nodeName"):
+                self._bind(meta["name"])
+                continue
+            if pod["spec"]["nodeName"] != NODE:
+                continue
+            if running is None:
+                self._start_pod(pod)
+            elif not running.stopping:
+                self._refresh_volumes(pod, running)
+                self._report(running)
+        with self._lock:
+            gone = [p for uid, p in self.pods.items() if uid not in seen]
+            for pod in gone:
+                self.pods.pop(pod.uid, None)
+        for pod in gone:
+            _kill(pod.process)
+
+    def _bind(self, name: str) -> None:
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": name},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": NODE},
+        }
+        with contextlib.suppress(urllib.error.HTTPError):  # 409: bound meanwhile
+            self._api("POST", self._pods_path(name) + "/binding", binding)
+
+    # --- volumes and the process -----------------------------------------
+
+    def _container(self, pod: dict[str, Any]) -> dict[str, Any]:
+        containers: list[dict[str, Any]] = pod["spec"]["containers"]
+        return containers[0]
+
+    def _volume_files(self, pod: dict[str, Any]) -> dict[str, dict[str, str]]:
+        """Volume name → {relative file path: content} for the ConfigMap volumes."""
+        files: dict[str, dict[str, str]] = {}
+        for volume in pod["spec"].get("volumes") or []:
+            source = volume.get("configMap")
+            if source is None:
+                continue
+            path = f"/api/v1/namespaces/{self.namespace}/configmaps/{source['name']}"
+            try:
+                data = self._api("GET", path).get("data") or {}
+            except urllib.error.HTTPError as error:
+                if error.code == 404:
+                    continue  # as the kubelet: the pod waits for it
+                raise
+            items = source.get("items")
+            if items:
+                files[volume["name"]] = {
+                    i["path"]: data[i["key"]] for i in items if i["key"] in data
+                }
+            else:
+                files[volume["name"]] = dict(data)
+        return files
+
+    def _map(self, mounts: dict[str, Path], value: str) -> str:
+        """A container path → the local path under the pod's volume dirs."""
+        for mount, local in sorted(mounts.items(), key=lambda m: -len(m[0])):
+            if value == mount or value.startswith(mount.rstrip("/") + "/"):
+                return str(local) + value[len(mount.rstrip("/")) :]
+        return value
+
+    def _render(self, running: RunningPod, path: Path, content: str) -> str:
+        """The runtime config with this pod's address and local paths; other files as they are."""
+        if path != running.config_path:
+            return content
+        config = yaml.safe_load(content)
+        serving = config.setdefault("serving", {})
+        serving["host"] = running.ip
+        serving["port"] = running.port
+        for key in ("goldenPromptsFile", "apiKeyFile"):
+            if serving.get(key):
+                serving[key] = self._map(running.mounts, serving[key])
+        return str(yaml.safe_dump(config, sort_keys=False))
+
+    def _write_volumes(
+        self, pod: dict[str, Any], running: RunningPod, files: dict[str, dict[str, str]]
+    ) -> bool:
+        """Write changed files atomically; True when something changed."""
+        changed = False
+        mounts = {m["name"]: m["mountPath"] for m in self._container(pod).get("volumeMounts") or []}
+        for volume, entries in files.items():
+            if volume not in mounts:
+                continue
+            local = running.mounts[mounts[volume]]
+            for relative, content in entries.items():
+                target = local / relative
+                rendered = self._render(running, target, content)
+                if running.rendered.get(target) == rendered:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                temp = target.with_name(f".{target.name}.tmp")
+                temp.write_text(rendered)
+                os.replace(temp, target)
+                running.rendered[target] = rendered
+                changed = True
+        return changed
+
+    def _start_pod(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        container = self._container(pod)
+        root = self.workdir / f"{meta['name']}-{meta['uid'][:8]}"
+        mounts: dict[str, Path] = {}
+        for index, mount in enumerate(container.get("volumeMounts") or []):
+            local = root / "volumes" / f"{index}-{mount['name']}"
+            local.mkdir(parents=True, exist_ok=True)
+            mounts[mount["mountPath"]] = local
+        args = [self._map(mounts, a) for a in container.get("args") or []]
+        config_path = None
+        if "--config" in args:
+            config_path = Path(args[args.index("--config") + 1])
+        port = int(container["ports"][0]["containerPort"])
+        command = list(container.get("command") or [])
+        if command[:1] == ["specpair-runtime"]:
+            # The console script of this venv, run through its interpreter.
+            command = [sys.executable, "-m", "specpair_runtime", *command[1:]]
+        env = {**os.environ, **self.env}
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = self._map(mounts, str(item["value"]))
+        log_path = root / "container.log"
+        running = RunningPod(
+            name=meta["name"],
+            uid=meta["uid"],
+            ip=next(self._ips),
+            port=port,
+            root=root,
+            mounts=mounts,
+            config_path=config_path,
+            log_path=log_path,
+        )
+        files = self._volume_files(pod)
+        self._write_volumes(pod, running, files)
+        with log_path.open("wb") as out:
+            running.started = subprocess.Popen(
+                [*command, *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=root,
+                start_new_session=True,
+            )
+        with self._lock:
+            self.pods[running.uid] = running
+            self.started.append(running)
+        started = _now()
+
+        def running_status(_: dict[str, Any], status: dict[str, Any]) -> None:
+            status.update(
+                {
+                    "phase": "Running",
+                    "hostIP": "127.0.0.1",
+                    "podIP": running.ip,
+                    "podIPs": [{"ip": running.ip}],
+                    "startTime": started,
+                    "conditions": _conditions(False),
+                    "containerStatuses": [
+                        _container_status(container, {"running": {"startedAt": started}}, False)
+                    ],
+                }
+            )
+
+        self._update_status(running.name, running_status)
+        running.ready = False
+
+    def _refresh_volumes(self, pod: dict[str, Any], running: RunningPod) -> None:
+        if running.process.poll() is None:
+            self._write_volumes(pod, running, self._volume_files(pod))
+
+    def _report(self, running: RunningPod) -> None:
+        code = running.process.poll()
+        if code is not None:
+            if running.terminated:
+                return
+            running.terminated = True
+            tail = "\n".join(running.log().strip().splitlines()[-TAIL_LINES:])
+
+            def terminated(pod: dict[str, Any], status: dict[str, Any]) -> None:
+                container = self._container(pod)
+                state = {"terminated": {"exitCode": code, "reason": "Error", "message": tail}}
+                status["conditions"] = _conditions(False)
+                status["containerStatuses"] = [_container_status(container, state, False)]
+
+            self._update_status(running.name, terminated)
+            return
+        ready = _probe_ready(running)
+        if ready == running.ready:
+            return
+        running.ready = ready
+
+        def readiness(pod: dict[str, Any], status: dict[str, Any]) -> None:
+            status["conditions"] = _conditions(ready)
+            for container_status in status.get("containerStatuses") or []:
+                container_status["ready"] = ready
+
+        self._update_status(running.name, readiness)
+
+    def _terminate(self, running: RunningPod) -> None:
+        """Unready, a moment for the endpoints to follow, SIGTERM, then remove the pod."""
+        try:
+
+            def unready(pod: dict[str, Any], status: dict[str, Any]) -> None:
+                status["conditions"] = _conditions(False)
+
+            self._update_status(running.name, unready)
+            time.sleep(self.endpoint_delay)
+            if running.process.poll() is None:
+                running.process.send_signal(signal.SIGTERM)
+                try:
+                    running.process.wait(timeout=45)
+                except subprocess.TimeoutExpired:
+                    _kill(running.process)
+            self._finish_delete(running.name, running.uid)
+        except Exception as error:
+            log.warning(f"fake kubelet: stopping {running.name} failed: {error!r}")
+
+    def _finish_delete(self, name: str, uid: str) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "gracePeriodSeconds": 0,
+            "preconditions": {"uid": uid},
+        }
+        with contextlib.suppress(urllib.error.HTTPError):
+            self._api("DELETE", self._pods_path(name), body)
+
+
+def _conditions(ready: bool) -> list[dict[str, Any]]:
+    now = _now()
+    value = "True" if ready else "False"
+    return [
+        {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+        {"type": "ContainersReady", "status": value, "lastTransitionTime": now},
+        {"type": "Ready", "status": value, "lastTransitionTime": now},
+    ]
+
+
+def _container_status(
+    container: dict[str, Any], state: dict[str, Any], ready: bool
+) -> dict[str, Any]:
+    return {
+        "name": container["name"],
+        "image": container.get("image", ""),
+        "imageID": "",
+        "ready": ready,
+        "restartCount": 0,
+        "started": "running" in state,
+        "state": copy.deepcopy(state),
+    }
+
+
+def _probe_ready(running: RunningPod) -> bool:
+    try:
+        url = f"http://{running.ip}:{running.port}/readyz"
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            body = json.loads(reply.read() or b"{}")
+            return bool(body.get("ready"))
+    except (OSError, ValueError):
+        return False
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
