@@ -32,6 +32,7 @@ from specpair_runtime.config import (
     PairInfo,
     RuntimeConfig,
     ServingOptions,
+    SpeculationKnobs,
     dump_runtime_config,
 )
 
@@ -131,11 +132,15 @@ def golden_file(spec: SpeculativePairSpec) -> str | None:
     return INLINE_GOLDEN_FILE if golden.inline is not None else f"{REF_GOLDEN_DIR}/golden.yaml"
 
 
+def _knobs(spec: SpeculativePairSpec, *, speculate: bool) -> SpeculationKnobs:
+    if speculate:
+        return spec.speculation
+    return spec.speculation.model_copy(update={"enabled": False})
+
+
 def runtime_config(pair: PairRef, spec: SpeculativePairSpec, *, speculate: bool) -> RuntimeConfig:
     """The runtime config file's content; ``speculate=False`` when the draft does not fit."""
-    knobs = spec.speculation
-    if not speculate:
-        knobs = knobs.model_copy(update={"enabled": False})
+    knobs = _knobs(spec, speculate=speculate)
     api_key = spec.serving.api_key_secret
     return RuntimeConfig(
         pair=PairInfo(name=pair.name, version=spec.version),
@@ -157,8 +162,7 @@ def runtime_config(pair: PairRef, spec: SpeculativePairSpec, *, speculate: bool)
 
 def knobs_in_force(spec: SpeculativePairSpec, *, speculate: bool) -> dict[str, object]:
     """The speculation section as the runtime config carries it (for the status)."""
-    config = runtime_config(PairRef("", "", ""), spec, speculate=speculate)
-    return config.speculation.model_dump(by_alias=True, mode="json")
+    return _knobs(spec, speculate=speculate).model_dump(by_alias=True, mode="json")
 
 
 def config_map(

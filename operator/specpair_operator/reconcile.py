@@ -8,10 +8,11 @@ only where it differs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
@@ -33,6 +34,8 @@ from specpair_operator.rollback import (
 from specpair_operator.status import Observation, build_status, status_patch
 
 EmitEvent = Callable[[str, str, str], None]  # (type, reason, message)
+T = TypeVar("T")
+log = logging.getLogger("specpair.operator")
 
 
 class ChildConflict(RuntimeError):
@@ -164,7 +167,13 @@ def reconcile(kube: Kube, body: Obj, emit: EmitEvent, *, now: datetime | None = 
     good = previous.get("currentRevision")
     failure = (find(previous.get("revisions") or [], revision) or {}).get("message")
     if dep is not None and good and good != revision and not held:
-        hard, why = _new_pods_failure(kube, pair, dep, revision, spec.serving.port)
+        rolling: Obj = dep
+        nothing: tuple[bool, str | None] = (False, None)
+        hard, why = _forbidden_is_none(
+            lambda: _new_pods_failure(kube, pair, rolling, revision),
+            nothing,
+            "list pods (to read why new pods are not ready)",
+        )
         if hard or rollout_failed(dep, revision):
             failure = why if hard and why else _deadline_message(spec, why)
             held = _roll_back(kube, pair, body, dep, good, revision, failure, emit, result)
@@ -184,8 +193,23 @@ def reconcile(kube: Kube, body: Obj, emit: EmitEvent, *, now: datetime | None = 
     )
     status = build_status(obs, previous, now=now)
     _write_status(kube, pair, previous, status, emit, result)
-    _collect_config_maps(kube, pair, status, revision, result)
+    _forbidden_is_none(
+        lambda: _collect_config_maps(kube, pair, status, revision, result),
+        None,
+        "list and delete ConfigMaps (to collect old revisions)",
+    )
     return result
+
+
+def _forbidden_is_none(action: Callable[[], T], default: T, what: str) -> T:
+    """Run an optional step; without RBAC for it (403) log and go on with ``default``."""
+    try:
+        return action()
+    except ApiException as error:
+        if error.status != 403:
+            raise
+        log.warning(f"not allowed to {what}; grant it in the operator's role: {error.reason}")
+        return default
 
 
 def _deadline_message(spec: SpeculativePairSpec, why: str | None) -> str:
@@ -197,7 +221,7 @@ def _deadline_message(spec: SpeculativePairSpec, why: str | None) -> str:
 
 
 def _new_pods_failure(
-    kube: Kube, pair: PairRef, dep: Obj, revision: str, port: int
+    kube: Kube, pair: PairRef, dep: Obj, revision: str
 ) -> tuple[bool, str | None]:
     """Whether a pod of the new revision failed for good, and what it says."""
     if template_revision(dep) != revision:

@@ -376,7 +376,7 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
         ("get", "secrets"),
         ("create", "pods"),
         ("delete", "deployments.apps"),
-        ("delete", "configmaps"),
+        ("delete", "services"),
         ("update", "speculativepairs.specpair.dev"),
         ("create", "roles.rbac.authorization.k8s.io"),
     ):
@@ -775,3 +775,43 @@ def test_pair_lifecycle(
         f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}",
     ):
         wait_for(lambda p=path: get(control_plane, p) is None, f"{path} to be collected", 60)  # type: ignore[misc]
+
+
+def test_config_maps_of_revisions_that_left_the_history_are_collected(
+    control_plane: ControlPlane,
+    crd_installed: None,
+    kubeconfig: Path,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """Seven versions in a row (no kubelet: none finishes): the oldest ConfigMaps go."""
+    ns = k8s_namespace
+    body = pair_manifest(
+        "gc", version="2024-10-1", replicas=1, resources={"gpus": 1, "gpuMemory": "80Gi"}
+    )
+    cms = f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dgc"
+
+    def history() -> list[dict[str, Any]]:
+        status = (get(control_plane, pair_path(ns, "gc")) or {}).get("status") or {}
+        return list(status.get("revisions") or [])
+
+    def config_map_revisions() -> set[str]:
+        found = items(control_plane, cms)
+        return {c["metadata"]["labels"]["specpair.dev/revision"] for c in found}
+
+    with running_operator(kubeconfig, tmp_path, [ns]):
+        create_pair(control_plane, ns, body)
+        for n in range(1, 8):
+            version = f"2024-10-{n}"
+            if n > 1:
+                control_plane_patch(kubectl, ns, "gc", {"spec": {"version": version}})
+            wait_for(
+                lambda v=version: (h := history()) and h[-1]["version"] == v,  # type: ignore[misc]
+                f"version {version} in the history",
+            )
+        entries = history()
+        assert [e["version"] for e in entries] == [f"2024-10-{n}" for n in range(3, 8)]
+        assert [e["outcome"] for e in entries] == ["Superseded"] * 4 + ["Progressing"]
+        kept = {e["revision"] for e in entries}
+        wait_for(lambda: config_map_revisions() == kept, "the older ConfigMaps to go")

@@ -123,8 +123,8 @@ class FakeKubelet:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         with self._lock:
-            running = list(self.pods.values())
-        for pod in running:
+            every = list(self.started)  # also pods whose deletion is still in progress
+        for pod in every:
             _kill(pod.process)
         with contextlib.suppress(OSError):
             self.plane.api("DELETE", f"/api/v1/nodes/{NODE}")

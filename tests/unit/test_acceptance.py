@@ -92,3 +92,19 @@ def test_speculation_off_names_the_pod_and_the_growing_fallback() -> None:
 def test_keep_only_drops_the_anchors_of_pods_that_left() -> None:
     anchors = {"a": PodSample(1), "b": PodSample(2)}
     assert keep_only(anchors, ["b", "c"]) == {"b": PodSample(2)}
+
+
+def test_parse_metrics_reads_what_the_runtime_server_exports() -> None:
+    """The metric names are a contract with runtime/specpair_runtime/server/metrics.py."""
+    from specpair_runtime.engine.api import StepEvent
+    from specpair_runtime.server.metrics import ServerMetrics
+
+    exported = ServerMetrics("chat", "v1")
+    for accepted in (4, 1, 3):
+        exported.record_event(StepEvent("r1", [1] * (accepted + 1), "x", 4, accepted))
+    exported.fallback("memory_pressure")
+    exported.speculation_enabled.set(0)
+    sample = parse_metrics(exported.render().decode())
+    assert (sample.drafted, sample.accepted, sample.steps) == (12.0, 8.0, 3.0)
+    assert not sample.speculating
+    assert speculation_off({"p": sample}, {}) == [("p", "memory_pressure")]

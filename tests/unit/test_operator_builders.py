@@ -181,3 +181,12 @@ def test_manifests_validate_against_kubernetes_schemas(sample: str) -> None:
         builders.service(PAIR, spec),
     ):
         kubernetes_validate.validate(child, "1.27.0", strict=True)
+
+
+def test_knobs_in_force_match_the_config_map_and_turn_off_for_target_only() -> None:
+    spec = sample_spec()
+    manifest = builders.config_map(PAIR, spec, REV, speculate=True)
+    rendered = yaml.safe_load(manifest["data"]["runtime.yaml"])
+    assert builders.knobs_in_force(spec, speculate=True) == rendered["speculation"]
+    off = builders.knobs_in_force(spec, speculate=False)
+    assert off["enabled"] is False and off["maxDepth"] == spec.speculation.max_depth

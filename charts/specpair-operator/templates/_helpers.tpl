@@ -45,8 +45,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/*
 RBAC rules, kept identical to deploy/rbac/cluster_role.yaml (a test compares
-them). No delete anywhere: children go by garbage collection through their
-ownerReferences. No pods, no secrets.
+them). The one delete is of the ConfigMaps of revisions that left the history;
+the rest goes by garbage collection through ownerReferences. Pods are only
+listed (their IPs). No secrets.
 */}}
 {{- define "specpair-operator.namespacedRules" -}}
 # Watch the pairs; patch only for kopf's progress annotations.
@@ -64,6 +65,14 @@ ownerReferences. No pods, no secrets.
 - apiGroups: [""]
   resources: [configmaps, services]
   verbs: [get, create, update]
+# ConfigMaps of revisions neither current nor in status.revisions are deleted.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, delete]
+# The pods' IPs: why a new pod is not ready, and the acceptance scrape.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, update]

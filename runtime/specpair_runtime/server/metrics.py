@@ -55,6 +55,9 @@ class ServerMetrics:
             (*PAIR_LABELS, "position"),
             registry=reg,
         )
+        self.generated_tokens = counter(
+            "specpair_generated_tokens", "Verified output tokens committed to requests."
+        ).labels(**labels)
         self.speculation_steps = counter(
             "specpair_speculation_steps", "Steps in which a request speculated."
         ).labels(**labels)
@@ -99,6 +102,7 @@ class ServerMetrics:
         self._fallbacks.labels(**self._labels, reason=reason).inc()
 
     def record_event(self, event: StepEvent) -> None:
+        self.generated_tokens.inc(len(event.token_ids))
         if event.drafted <= 0:
             return
         self.speculation_steps.inc()
