@@ -2,7 +2,7 @@
 
     run   [--namespace NS ...] [--metrics-port N] [--metrics-address A]
           [--peering NAME [--priority N]] [--resync-seconds S] [--scrape-seconds S]
-          [--liveness URL]
+          [--log-level debug|info|warning|error] [--liveness URL]
     crds  --output FILE
     plan  -f pair.yaml [--gpu-memory 80Gi] [--json]
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -28,6 +29,7 @@ from specpair_operator.headroom import DeviceMemory, device_memory, parse_quanti
 from specpair_runtime.planner import gib
 
 USAGE_ERROR = 2
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class UsageError(Exception):
@@ -75,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=float(os.environ.get("SPECPAIR_SCRAPE_SECONDS", "30")),
         help="Interval of the acceptance scrape of the pods' /metrics.",
+    )
+    run.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=os.environ.get("SPECPAIR_LOG_LEVEL", "info").lower(),
+        help="Log level (env SPECPAIR_LOG_LEVEL; default info).",
     )
     run.add_argument(
         "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
@@ -146,6 +154,10 @@ def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
 
 
 def _run_operator(args: argparse.Namespace) -> None:
+    if args.log_level not in LOG_LEVELS:  # argparse does not check an env default
+        raise UsageError(
+            f"SPECPAIR_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
+        )
     # handlers.py reads these at import; set them first.
     os.environ["SPECPAIR_RESYNC_SECONDS"] = str(args.resync_seconds)
     os.environ["SPECPAIR_SCRAPE_SECONDS"] = str(args.scrape_seconds)
@@ -161,7 +173,9 @@ def _run_operator(args: argparse.Namespace) -> None:
 
     import specpair_operator.handlers  # noqa: F401  (registers the handlers)
 
-    kopf.configure(verbose=False)
+    # kopf's own logging setup, then the chosen level on the root logger.
+    kopf.configure(debug=args.log_level == "debug", verbose=args.log_level == "debug")
+    logging.getLogger().setLevel(args.log_level.upper())
     kopf.run(
         standalone=args.peering is None,
         peering_name=args.peering,
