@@ -37,23 +37,23 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from tests.support.control_plane import ControlPlane
 from tests.support.fake_kubelet import FakeKubelet
 from tests.support.k8s_fixtures import Kubectl
+from tests.support.polling import PAIRS, wait_for
 from tests.support.server_harness import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "chat"
-PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
 SCRAPE_SECONDS = 2
 PROMPTS = [
     "Hello, how can I help you today?",
@@ -61,18 +61,6 @@ PROMPTS = [
     "The refund will appear on your card",
     "one two three four five",
 ]
-T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 90.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.25)
 
 
 # --- models ---------------------------------------------------------------
@@ -409,7 +397,9 @@ def test_2_version_bump_rolls_both_models_and_survives_an_operator_restart(env: 
             time.sleep(1)
             env.patch_spec(pair_body("v2", target, draft, env.port)["spec"])
             new = wait_for(
-                lambda: (r := env.template_revision()) != old and r, "the new revision's template"
+                lambda: (r := env.template_revision()) != old and r,
+                "the new revision's template",
+                timeout=90,
             )
             env.operator.restart()  # scenario 6, in the middle of the rollout
             wait_for(lambda: env.settled_on(new), "the new revision to roll out", timeout=150)
@@ -448,7 +438,9 @@ def test_3_bad_pair_is_rolled_back_with_the_failing_check_named(env: Env) -> Non
         with traffic(env) as load:
             env.patch_spec(pair_body("v3-bad", target, env.models.foreign_draft, env.port)["spec"])
             bad = wait_for(
-                lambda: (r := env.template_revision()) != good and r, "the bad revision's template"
+                lambda: (r := env.template_revision()) != good and r,
+                "the bad revision's template",
+                timeout=90,
             )
             degraded = wait_for(
                 lambda: (c := env.condition("Degraded")).get("reason") == "RolloutFailed" and c,
@@ -472,7 +464,11 @@ def test_3_bad_pair_is_rolled_back_with_the_failing_check_named(env: Env) -> Non
         assert env.template_revision() == good
         # Back to the good spec: the same revision, nothing rolls, Degraded clears.
         env.patch_spec(pair_body("v2", target, env.models.second[1], env.port)["spec"])
-        wait_for(lambda: env.condition("Degraded").get("status") == "False", "Degraded to clear")
+        wait_for(
+            lambda: env.condition("Degraded").get("status") == "False",
+            "Degraded to clear",
+            timeout=90,
+        )
         assert env.template_revision() == good
 
 
@@ -495,6 +491,7 @@ def test_4_knobs_only_change_restarts_nothing(env: Env) -> None:
         wait_for(
             lambda: env.pair()["status"]["speculation"]["maxDepth"] == 2,
             "the knobs in force in the status",
+            timeout=90,
         )
 
 

@@ -7,55 +7,25 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.support.control_plane import Binaries, ControlPlane
+from tests.support.control_plane import Binaries, ControlPlane, free_port
 from tests.support.helm_chart import CHART, ROOT
 from tests.support.k8s_fixtures import Kubectl
+from tests.support.polling import PAIRS, get_or_none, wait_for
 
 pytestmark = pytest.mark.integration
 
 SAMPLE = ROOT / "crds" / "samples" / "cpu-pair.yaml"
-PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
-T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.25)
-
-
-def get(plane: ControlPlane, path: str) -> dict[str, Any] | None:
-    try:
-        return plane.api("GET", path)
-    except urllib.error.HTTPError as error:
-        if error.code == 404:
-            return None
-        raise
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def loopback_args(args: list[str]) -> list[str]:
@@ -157,7 +127,7 @@ def assert_reconciled(plane: ControlPlane, ns: str, name: str, log: Path) -> dic
     """Children created and the status written for the pair's generation."""
 
     def settled() -> dict[str, Any] | None:
-        pair = get(plane, PAIRS.format(ns=ns) + f"/{name}")
+        pair = get_or_none(plane, PAIRS.format(ns=ns) + f"/{name}")
         status = (pair or {}).get("status") or {}
         if pair is None or status.get("observedGeneration") != pair["metadata"]["generation"]:
             return None
@@ -169,7 +139,7 @@ def assert_reconciled(plane: ControlPlane, ns: str, name: str, log: Path) -> dic
             f"/apis/apps/v1/namespaces/{ns}/deployments/{name}",
             f"/api/v1/namespaces/{ns}/services/{name}",
         ):
-            wait_for(lambda p=path: get(plane, p), path)  # type: ignore[misc]
+            wait_for(lambda p=path: get_or_none(plane, p), path)  # type: ignore[misc]
         config_maps = wait_for(lambda: owned_config_maps(plane, ns, name), "the pair's ConfigMap")
     except AssertionError as error:
         raise AssertionError(f"{error}\noperator log:\n{log.read_text()[-3000:]}") from None
@@ -263,8 +233,8 @@ def test_watched_namespaces_install_reconciles_only_there(
                 admin("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(sample_pair("cpu")))
             assert_reconciled(plane, watched, "cpu", log)
             time.sleep(3)  # a few resync periods: the other namespace stays untouched
-            assert get(plane, f"/apis/apps/v1/namespaces/{other}/deployments/cpu") is None
-            pair = get(plane, PAIRS.format(ns=other) + "/cpu")
+            assert get_or_none(plane, f"/apis/apps/v1/namespaces/{other}/deployments/cpu") is None
+            pair = get_or_none(plane, PAIRS.format(ns=other) + "/cpu")
             assert pair is not None and "status" not in pair
         text = log.read_text(errors="replace")
         assert "Forbidden" not in text and " 403" not in text, text[-3000:]

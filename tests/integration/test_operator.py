@@ -11,54 +11,31 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import pytest
 import yaml
 
-from tests.support.control_plane import ControlPlane
+from tests.support.control_plane import ControlPlane, free_port
 from tests.support.k8s_fixtures import Kubectl
+from tests.support.polling import PAIRS, get_or_none, wait_for
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = yaml.safe_load((ROOT / "crds" / "samples" / "gpu-pair.yaml").read_text())
-PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
-T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 45.0) -> T:
-    """Poll ``probe`` every 0.2 s until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def api(plane: ControlPlane, method: str, path: str, body: object = None) -> dict[str, Any]:
     return cast(dict[str, Any], plane.api(method, path, body))
-
-
-def get(plane: ControlPlane, path: str) -> dict[str, Any] | None:
-    try:
-        return api(plane, "GET", path)
-    except urllib.error.HTTPError as error:
-        if error.code == 404:
-            return None
-        raise
 
 
 def items(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
@@ -71,13 +48,6 @@ def condition(pair: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
         if cond["type"] == type_:
             return dict(cond)
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def scrape(port: int) -> str:
@@ -148,7 +118,7 @@ def pair_path(ns: str, name: str) -> str:
 
 def settled(plane: ControlPlane, ns: str, name: str) -> dict[str, Any] | None:
     """The pair once its status describes its current generation."""
-    pair = get(plane, pair_path(ns, name))
+    pair = get_or_none(plane, pair_path(ns, name))
     if pair is None:
         return None
     status = pair.get("status") or {}
@@ -264,7 +234,9 @@ def test_undersized_gpus_from_node_labels(
             assert headroom is not None and headroom["status"] == "False"
             assert headroom["message"].startswith("draft needs 1.91 GiB more")
             dep = wait_for(
-                lambda: get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/small"),
+                lambda: get_or_none(
+                    control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/small"
+                ),
                 "the TargetOnly Deployment",
             )
             revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
@@ -277,7 +249,10 @@ def test_undersized_gpus_from_node_labels(
             assert "21429231616" in degraded["message"]  # the numbers, in bytes
             assert str(16384 * 1024**2) in degraded["message"]
             time.sleep(1.5)  # a few resync passes
-            assert get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/tiny") is None
+            assert (
+                get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/tiny")
+                is None
+            )
 
             def reasons() -> set[str]:
                 events = items(control_plane, f"/api/v1/namespaces/{ns}/events")
@@ -322,14 +297,14 @@ def test_restart_mid_way_converges_without_duplicates(
         pair = wait_for(lambda: settled(control_plane, ns, "pair"), "the converged status")
         dep = wait_for(
             lambda: (
-                (d := get(control_plane, f"{deployments}/pair"))
+                (d := get_or_none(control_plane, f"{deployments}/pair"))
                 and d["metadata"]["labels"]["app.kubernetes.io/version"] == "2024-08-b"
                 and d
             ),
             "the new revision",
         )
         wait_for(
-            lambda: get(control_plane, f"/api/v1/namespaces/{ns}/services/pair"),
+            lambda: get_or_none(control_plane, f"/api/v1/namespaces/{ns}/services/pair"),
             "the Service again",
         )
     revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
@@ -395,7 +370,7 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
             f"/apis/apps/v1/namespaces/{ns}/deployments/rbac",
             f"/api/v1/namespaces/{ns}/services/rbac",
         ):
-            wait_for(lambda p=path: get(plane, p), path)  # type: ignore[misc]
+            wait_for(lambda p=path: get_or_none(plane, p), path)  # type: ignore[misc]
         wait_for(
             lambda: any(
                 e["reason"] == "TargetOnly" for e in items(plane, f"/api/v1/namespaces/{ns}/events")
@@ -408,7 +383,7 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
         )
         wait_for(
             lambda: (
-                (d := get(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/rbac"))
+                (d := get_or_none(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/rbac"))
                 and d["spec"]["replicas"] == 1
             ),
             "the scaled Deployment",
@@ -434,7 +409,9 @@ def test_samples_reconcile(
         gpu = wait_for(lambda: settled(control_plane, ns, "llama-8b-1b"), "the GPU sample")
         for name in ("demo-cpu", "llama-8b-1b"):
             wait_for(
-                lambda n=name: get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/{n}"),  # type: ignore[misc]
+                lambda n=name: get_or_none(  # type: ignore[misc]
+                    control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/{n}"
+                ),
                 f"the Deployment of {name}",
             )
     # CPU mode plans against the pod's memory limit (2Gi).
@@ -461,13 +438,13 @@ def test_rules_the_old_apiserver_skips_are_reported(
     with running_operator(kubeconfig, tmp_path, [ns]):
         create_pair(control_plane, ns, body)
         pair = wait_for(
-            lambda: condition(get(control_plane, pair_path(ns, "same")), "Degraded"),
+            lambda: condition(get_or_none(control_plane, pair_path(ns, "same")), "Degraded"),
             "the Degraded condition",
         )
         assert (pair["status"], pair["reason"]) == ("True", "InvalidSpec")
         assert "spec: draft.source must differ from target.source" in pair["message"]
         time.sleep(1.5)  # resync passes create nothing either
-        assert get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/same") is None
+        assert get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/same") is None
 
 
 def play_kubelet_ready(kubectl: Kubectl, ns: str, selector: str) -> int:
@@ -510,7 +487,7 @@ def test_failed_revision_rolls_back_to_the_last_good_one(
 
     with running_operator(kubeconfig, tmp_path, [ns]):
         create_pair(control_plane, ns, body)
-        wait_for(lambda: get(control_plane, dep_path), "the Deployment")
+        wait_for(lambda: get_or_none(control_plane, dep_path), "the Deployment")
         good = template_revision()
         wait_for(
             lambda: play_kubelet_ready(kubectl, ns, f"specpair.dev/revision={good}"),
@@ -518,7 +495,7 @@ def test_failed_revision_rolls_back_to_the_last_good_one(
         )
         wait_for(
             lambda: (
-                (get(control_plane, pair_path(ns, "roll")) or {})
+                (get_or_none(control_plane, pair_path(ns, "roll")) or {})
                 .get("status", {})
                 .get("currentRevision")
                 == good
@@ -531,7 +508,7 @@ def test_failed_revision_rolls_back_to_the_last_good_one(
         bad = wait_for(lambda: (r := template_revision()) != good and r, "the new revision")
         degraded = wait_for(
             lambda: (
-                (c := condition(get(control_plane, pair_path(ns, "roll")), "Degraded"))
+                (c := condition(get_or_none(control_plane, pair_path(ns, "roll")), "Degraded"))
                 and c["reason"] == "RolloutFailed"
                 and c
             ),
@@ -623,7 +600,7 @@ def test_peering_keeps_one_replica_active(
         )
         wait_for(
             lambda: (
-                (d := get(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/ha"))
+                (d := get_or_none(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/ha"))
                 and d["spec"]["replicas"] == 1
             ),
             "the standby to scale the Deployment",
@@ -653,7 +630,7 @@ def test_pair_lifecycle(
         pair = wait_for(lambda: settled(control_plane, ns, "llama"), "the pair's status")
         status = pair["status"]
         dep = wait_for(
-            lambda: get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"),
+            lambda: get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"),
             "the Deployment",
         )
         revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
@@ -740,7 +717,11 @@ def test_pair_lifecycle(
         control_plane_patch(kubectl, ns, "llama", {"spec": {"replicas": 3}})
         dep = wait_for(
             lambda: (
-                (d := get(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"))
+                (
+                    d := get_or_none(
+                        control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"
+                    )
+                )
                 and d["spec"]["replicas"] == 3
                 and d
             ),
@@ -774,7 +755,11 @@ def test_pair_lifecycle(
         f"/api/v1/namespaces/{ns}/services/llama",
         f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}",
     ):
-        wait_for(lambda p=path: get(control_plane, p) is None, f"{path} to be collected", 60)  # type: ignore[misc]
+        wait_for(
+            lambda p=path: get_or_none(control_plane, p) is None,  # type: ignore[misc]
+            f"{path} to be collected",
+            60,
+        )
 
 
 def test_config_maps_of_revisions_that_left_the_history_are_collected(
@@ -793,7 +778,7 @@ def test_config_maps_of_revisions_that_left_the_history_are_collected(
     cms = f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dgc"
 
     def history() -> list[dict[str, Any]]:
-        status = (get(control_plane, pair_path(ns, "gc")) or {}).get("status") or {}
+        status = (get_or_none(control_plane, pair_path(ns, "gc")) or {}).get("status") or {}
         return list(status.get("revisions") or [])
 
     def config_map_revisions() -> set[str]:

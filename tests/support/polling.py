@@ -1,0 +1,38 @@
+"""Small helpers the Kubernetes-facing tests share: polling and 404-tolerant reads."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tests.support.control_plane import ControlPlane
+
+PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
+T = TypeVar("T")
+
+
+def wait_for(
+    probe: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.2
+) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def get_or_none(plane: ControlPlane, path: str) -> dict[str, Any] | None:
+    """GET an API path; None on 404."""
+    try:
+        found: dict[str, Any] = plane.api("GET", path)
+        return found
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
