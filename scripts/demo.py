@@ -3,7 +3,7 @@
 Loads the Qwen2.5-Coder 1.5B target and 0.5B draft that ``make models`` put in
 the cache, streams a speculative completion to the terminal (only verified
 text ever reaches it), then decodes the same prompt target-only and prints the
-acceptance and the speedup. On a CPU the 1.5B target makes about one token a
+acceptance and the speedup. On a CPU the 1.5B target makes about two tokens a
 second, so the demo keeps the answer short; on CUDA it decodes more.
 """
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     max_new = args.max_new_tokens or (128 if on_cuda else 24)
     if not on_cuda:
         print(
-            f"CPU only: the 1.5B target makes about 1 token/s here, so the demo decodes "
+            f"CPU only: the 1.5B target makes about 2 tokens/s here, so the demo decodes "
             f"{max_new} tokens (use --max-new-tokens for more)."
         )
     params = SamplingParams(max_new_tokens=max_new)
