@@ -20,17 +20,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.fetch_models import SOURCES, CacheLayout, default_cache, marker_problem
+from scripts.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
 
 
 def main(extra: list[str]) -> int:
-    layout = CacheLayout(default_cache())
-    dirs = {role: layout.model_dir(src) for role, src in SOURCES.items()}
-    for role, src in SOURCES.items():
-        problem = marker_problem(dirs[role], src)
-        if problem is not None:
-            print(f"error: the {role} model is not ready ({problem}); run `make models`")
-            return 2
+    try:
+        dirs = converted_pair(CacheLayout(default_cache()))
+    except FetchError as error:
+        print(f"error: {error}")
+        return 2
     import torch
 
     from specpair_runtime.cli import main as cli_main

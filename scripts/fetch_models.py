@@ -339,6 +339,17 @@ def marker_problem(model_dir: Path, src: ModelSource) -> str | None:
     return None
 
 
+def converted_pair(layout: CacheLayout) -> dict[Role, Path]:
+    """The converted directory of each role; FetchError naming the first unusable one."""
+    dirs: dict[Role, Path] = {}
+    for role, src in SOURCES.items():
+        problem = marker_problem(layout.model_dir(src), src)
+        if problem is not None:
+            raise FetchError(f"the {role} model is not ready ({problem}); run `make models`")
+        dirs[role] = layout.model_dir(src)
+    return dirs
+
+
 def file_sizes(directory: Path) -> dict[str, int]:
     return {
         p.name: p.stat().st_size

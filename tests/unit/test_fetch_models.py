@@ -277,3 +277,9 @@ def test_saved_tensors_are_compared_byte_for_byte(tmp_path: Path) -> None:
     file.write_bytes(bytes(data))
     with pytest.raises(fm.FetchError, match=f"saved tensor {re.escape(last.name)} differs"):
         fm.compare_saved_tensors(tmp_path, model)
+
+
+def test_converted_pair_names_the_first_missing_model(tmp_path: Path) -> None:
+    layout = fm.CacheLayout(tmp_path)
+    with pytest.raises(fm.FetchError, match=r"the draft model is not ready .*run `make models`"):
+        fm.converted_pair(layout)
