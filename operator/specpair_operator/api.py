@@ -19,7 +19,12 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from specpair_runtime.config import ContractModel, ModelSpec, SpeculationKnobs
+from specpair_runtime.config import (
+    ContractModel,
+    ModelSpec,
+    SpeculationKnobs,
+    describe_validation_error,
+)
 from specpair_runtime.golden import GoldenPrompt
 
 GROUP = "specpair.dev"
@@ -409,19 +414,9 @@ class SpecError(ValueError):
     """A spec the operator cannot use; the message names the field."""
 
 
-def describe_spec_error(error: ValidationError) -> str:
-    """One clause per problem, each naming its field as ``spec.a.b``."""
-    parts = []
-    for item in error.errors():
-        loc = ".".join(["spec", *(str(part) for part in item["loc"])])
-        message = str(item["msg"]).removeprefix("Value error, ")
-        parts.append(f"{loc}: {message}")
-    return "; ".join(parts)
-
-
 def parse_spec(data: object) -> SpeculativePairSpec:
     """Validate a ``.spec`` dict; raise SpecError naming each bad field."""
     try:
         return SpeculativePairSpec.model_validate(data)
     except ValidationError as error:
-        raise SpecError(describe_spec_error(error)) from None
+        raise SpecError(describe_validation_error(error, prefix="spec.")) from None

@@ -149,11 +149,16 @@ class ConfigError(ValueError):
 
 
 def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
-    """One line per problem, each naming its field path in camelCase."""
+    """One clause per problem, each naming its field path in camelCase after ``prefix``.
+
+    A model-level problem (empty path) is named by the prefix itself, or "(root)".
+    """
     lines = []
     for item in error.errors():
-        loc = ".".join(str(part) for part in item["loc"]) or "(root)"
-        lines.append(f"{prefix}{loc}: {item['msg']}")
+        loc = ".".join(str(part) for part in item["loc"])
+        path = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "(root)")
+        message = str(item["msg"]).removeprefix("Value error, ")
+        lines.append(f"{path}: {message}")
     return "; ".join(lines)
 
 
