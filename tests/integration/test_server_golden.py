@@ -11,7 +11,6 @@ import yaml
 
 from tests.support.server_harness import (
     in_process_server,
-    save_tiny_pair,
     target_only,
     wait_until_ready,
     write_config,
@@ -20,11 +19,6 @@ from tests.support.server_harness import (
 pytestmark = pytest.mark.integration
 
 PROMPTS = ["Hello, how can I help", "The refund will"]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 def golden_file(path: Path, prompts: list[dict[str, object]]) -> Path:
@@ -46,6 +40,7 @@ def test_passing_golden_prompts_make_it_ready(pair: tuple[Path, Path], tmp_path:
     )
     with in_process_server(config, wait_ready=False) as server:
         phases: list[str] = []
+        refused_checked = False
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             response = httpx.get(f"{server.base_url}/readyz")
@@ -55,8 +50,11 @@ def test_passing_golden_prompts_make_it_ready(pair: tuple[Path, Path], tmp_path:
             if body["phase"] in ("ready", "failed"):
                 break
             assert response.status_code == 503 and body["ready"] is False
-            # While unready the API refuses work, naming the phase.
-            if body["phase"] == "golden_prompts":
+            # While unready the API refuses work, naming the phase. Asked once, on
+            # entering the phase: asked on every poll, the last ask races the
+            # switch to ready that happens between the GET and the POST.
+            if body["phase"] == "golden_prompts" and not refused_checked:
+                refused_checked = True
                 refused = httpx.post(
                     f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}
                 )
