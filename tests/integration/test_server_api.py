@@ -14,7 +14,6 @@ from tests.support.server_harness import (
     InProcessServer,
     in_process_server,
     metric_value,
-    save_tiny_pair,
     sse_events,
     target_only,
     write_config,
@@ -24,11 +23,6 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = ["Hello, how can I help", "The package left our", "def add(a, b):", "one two three"]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")

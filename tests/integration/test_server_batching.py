@@ -17,7 +17,6 @@ from tests.support.server_harness import (
     eventually,
     in_process_server,
     metric_value,
-    save_tiny_pair,
     write_config,
 )
 
@@ -34,11 +33,6 @@ PROMPTS = [
     "the quick brown fox",
 ]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")
