@@ -37,11 +37,11 @@ install: $(STAMP) ## Create ./.venv and install everything (idempotent)
 
 .PHONY: models
 models: install ## Fetch, verify and convert the real Qwen2.5-Coder pair into the cache
-	$(PY) scripts/fetch_models.py
+	$(PY) -m tools.fetch_models
 
 .PHONY: control-plane
 control-plane: install ## Build (once) etcd, kube-apiserver, controller-manager, kubectl, helm
-	$(PY) scripts/control_plane.py build
+	$(PY) -m tools.control_plane_cli build
 
 .PHONY: run
 run: models ## Demo: stream a support-chat completion from the real pair, with speedup

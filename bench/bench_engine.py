@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
 
 
 def main(extra: list[str]) -> int:

@@ -109,7 +109,7 @@ def free_port() -> int:
 
 def tiny_config(directory: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from tests.support.tiny_models import save_pair
+    from tools.tiny_models import save_pair
 
     target, draft = save_pair(directory)
     return {

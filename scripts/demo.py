@@ -18,10 +18,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# The repo root, so `scripts.fetch_models` imports when run as a script.
+# The repo root, so `tools.fetch_models` imports when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
 from tqdm import tqdm
 
 PROMPT = (

@@ -38,7 +38,7 @@ command -v kind >/dev/null 2>&1 || skip "kind is not installed (https://kind.sig
 
 # kubectl and helm: from PATH, else from make control-plane's cache.
 cached_tool() {
-    "$PY" -c "import sys; from tests.support.control_plane import Binaries, default_cache_dir; \
+    "$PY" -c "import sys; from tools.control_plane import Binaries, default_cache_dir; \
 print(getattr(Binaries.under(default_cache_dir()), sys.argv[1]))" "$1"
 }
 KUBECTL=$(command -v kubectl || cached_tool kubectl)

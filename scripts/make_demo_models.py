@@ -9,7 +9,7 @@
         baked demo models (with their real size hints) and small CPU resources,
         for `make e2e-kind`.
 
-The models come from tests/support/tiny_models.py, the same ones the tests
+The models come from tools/tiny_models.py, the same ones the tests
 use: no download, nothing from a model hub. They say nothing sensible; they
 show the machinery (placement, rollout, streaming, metrics) on a laptop.
 """
@@ -45,7 +45,7 @@ def size_hints(model: Any) -> dict[str, int]:
 
 def build(output: Path) -> dict[str, dict[str, int]]:
     """Write the pair under ``output``; return the size hints of target and draft."""
-    from tests.support.tiny_models import build_pair, save_model
+    from tools.tiny_models import build_pair, save_model
 
     pair = build_pair("llama", SEED, DRAFT_NOISE)
     save_model(pair.target, pair.tokenizer, output / "target")

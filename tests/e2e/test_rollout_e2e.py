@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tools.control_plane import ControlPlane
 
-from tests.support.control_plane import ControlPlane
 from tests.support.fake_kubelet import FakeKubelet
 from tests.support.k8s_fixtures import Kubectl
 from tests.support.polling import PAIRS, wait_for
@@ -76,7 +76,7 @@ class Models:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    from tests.support.tiny_models import (
+    from tools.tiny_models import (
         build_llama,
         build_pair,
         build_tokenizer,
@@ -260,7 +260,7 @@ class Env:
                 "Content-Type": "application/merge-patch+json",
             },
         )
-        from tests.support.control_plane import _ssl_context
+        from tools.control_plane import _ssl_context
 
         with urllib.request.urlopen(request, context=_ssl_context(self.plane.ca_path), timeout=30):
             pass

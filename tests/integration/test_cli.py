@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from tools.tiny_models import build_pair, build_tokenizer, save_model, save_pair
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specpair_runtime.engine.prompting import encode_prompt
-from tests.support.tiny_models import build_pair, build_tokenizer, save_model, save_pair
 
 PROMPT = "My order has not arrived yet"
 MAX_NEW = 12

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from kubernetes import client, config
+from tools.control_plane import ControlPlane
 
-from tests.support.control_plane import ControlPlane
 from tests.support.k8s_fixtures import Kubectl, KubectlError
 
 pytestmark = pytest.mark.integration

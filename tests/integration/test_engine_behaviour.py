@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
-from tests.support.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
 NEW = 24
 GREEDY = SamplingParams(max_new_tokens=NEW)

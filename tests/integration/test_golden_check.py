@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tools.tiny_models import build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.golden_check import first_difference, run_golden, run_golden_with
@@ -10,7 +11,6 @@ from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.pair import LoadedPair, check_pair
 from specpair_runtime.engine.speculative import SpeculativeEngine
 from specpair_runtime.golden import GoldenFile, parse_golden
-from tests.support.tiny_models import build_pair
 
 KNOBS = SpeculationKnobs(max_depth=3)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tools.tiny_models import ModelKind, TinyPair, as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
-from tests.support.tiny_models import ModelKind, TinyPair, as_loaded, build_pair
 
 PROMPTS = [
     "Hello, how can I help",

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
+from tools.control_plane import Binaries, ControlPlane, free_port
 
-from tests.support.control_plane import Binaries, ControlPlane, free_port
 from tests.support.helm_chart import CHART, ROOT
 from tests.support.k8s_fixtures import Kubectl
 from tests.support.polling import PAIRS, get_or_none, wait_for

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from tools.tiny_models import build_pair, save_model, save_pair
 from transformers import AutoModelForCausalLM
 
 from specpair_runtime.config import ModelSpec, SpeculationKnobs
@@ -23,7 +24,6 @@ from specpair_runtime.engine.loading import (
 from specpair_runtime.engine.oneshot import run_request
 from specpair_runtime.engine.pair import check_pair, load_pair
 from tests.support.tiny_gguf import write_llama_gguf
-from tests.support.tiny_models import build_pair, save_model, save_pair
 
 PROMPT = "Hello, how can I help you today?"
 

@@ -23,8 +23,8 @@ from typing import Any, cast
 
 import pytest
 import yaml
+from tools.control_plane import ControlPlane, free_port
 
-from tests.support.control_plane import ControlPlane, free_port
 from tests.support.k8s_fixtures import Kubectl
 from tests.support.polling import PAIRS, get_or_none, wait_for
 

@@ -115,7 +115,7 @@ def test_invalid_golden_file_is_reported(pair: tuple[Path, Path], tmp_path: Path
 
 
 def test_misaligned_draft_keeps_it_unready(tmp_path: Path) -> None:
-    from tests.support.tiny_models import build_llama, build_tokenizer, save_model
+    from tools.tiny_models import build_llama, build_tokenizer, save_model
 
     target_tok = build_tokenizer()
     draft_tok = build_tokenizer(extra_corpus=("zebra xylophone quartz " * 8,))

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
+from tools.tiny_models import as_loaded, build_pair
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
-from tests.support.tiny_models import as_loaded, build_pair
 
 SAMPLES = 4000
 BATCH = 500

@@ -47,8 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from tests.support.control_plane import ControlPlane
+from tools.control_plane import ControlPlane
 
 log = logging.getLogger("fake-kubelet")
 

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from tests.support.control_plane import Binaries
+from tools.control_plane import Binaries
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHART = ROOT / "charts" / "specpair-operator"

@@ -47,8 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.support.control_plane import (
+from tools.control_plane import (
     Binaries,
     ControlPlane,
     default_cache_dir,

@@ -7,7 +7,7 @@ import urllib.error
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tests.support.control_plane import ControlPlane
+from tools.control_plane import ControlPlane
 
 PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from scripts.fetch_models import (
+from tools.fetch_models import (
     SOURCES,
     CacheLayout,
     default_cache,

@@ -168,8 +168,8 @@ def subprocess_server(
 
 
 def save_tiny_pair(directory: Path, draft_noise: float = 0.08) -> tuple[Path, Path]:
-    """The tiny Llama pair (tests/support/tiny_models.py) in Hugging Face layout."""
-    from tests.support.tiny_models import save_pair
+    """The tiny Llama pair (tools/tiny_models.py) in Hugging Face layout."""
+    from tools.tiny_models import save_pair
 
     return save_pair(directory, draft_noise=draft_noise)
 

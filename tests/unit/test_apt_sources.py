@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from tests.support.apt_sources import (
+from tools.apt_sources import (
     AptSource,
     deb_src_line,
     debian_mirror,

@@ -14,9 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from scripts import sync_chart_crds
+from tools.control_plane import Binaries
 
 from specpair_operator.__main__ import _parser as operator_cli
-from tests.support.control_plane import Binaries
 from tests.support.helm_chart import CHART, CRD, ROOT, find, render, run_helm, set_args, values
 
 # The oldest Kubernetes specpair supports (DESIGN.md) and the newest the validator knows.

@@ -138,12 +138,13 @@ def test_demo_model_script_needs_only_what_the_image_copies() -> None:
         for src in args.split()[:-1]
         if not src.startswith("--")
     }
-    for module in ("scripts/make_demo_models.py", "tests/support/tiny_models.py"):
+    for module in ("scripts/make_demo_models.py", "tools/tiny_models.py"):
         tree = ast.parse((ROOT / module).read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests"):
-                wanted = node.module.replace(".", "/") + ".py"
-                assert wanted in copied, f"{module} imports {node.module}; the image lacks it"
+            imported = node.module if isinstance(node, ast.ImportFrom) else None
+            if imported and imported.startswith(("tests", "tools")):
+                wanted = imported.replace(".", "/") + ".py"
+                assert wanted in copied, f"{module} imports {imported}; the image lacks it"
 
 
 def test_operator_image_has_no_torch() -> None:

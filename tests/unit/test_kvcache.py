@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from tools.tiny_models import ModelKind, build_model, build_tokenizer
 from transformers import PreTrainedModel
 
 from specpair_runtime.engine.kvcache import RaggedCache, cache_tensors, crop_cache
-from tests.support.tiny_models import ModelKind, build_model, build_tokenizer
 
 CPU = torch.device("cpu")
 ATOL = 1e-5

@@ -8,9 +8,9 @@ import re
 
 import promql_parser
 import pytest
+from tools.control_plane import Binaries
 
 from specpair_runtime.server.metrics import ServerMetrics
-from tests.support.control_plane import Binaries
 from tests.support.helm_chart import CHART, find, render
 
 # Grafana's template variables, replaced by values PromQL accepts before parsing.

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
@@ -15,7 +16,6 @@ from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.scheduler import QueueFull, Scheduler, Submission, Update
 from tests.support.server_harness import metric_value
-from tests.support.tiny_models import as_loaded, build_pair
 
 KNOBS = SpeculationKnobs(max_depth=3, adaptive=False, disable_above_batch_size=1)
 

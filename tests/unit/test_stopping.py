@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from tools.tiny_models import build_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from specpair_runtime.engine.stopping import (
@@ -13,7 +14,6 @@ from specpair_runtime.engine.stopping import (
     find_stop,
     held_suffix_length,
 )
-from tests.support.tiny_models import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,10 @@ from typing import Literal, Protocol
 
 from specpair_runtime.config import SpeculationKnobs
 
-FinishReason = Literal["stop", "length", "content_filter", "abort"]
+# "error": this request alone failed inside the engine (e.g. non-finite
+# probabilities in its row); its batch-mates go on. `StepEvent.error` says why,
+# for the logs only: clients get a generic message.
+FinishReason = Literal["stop", "length", "content_filter", "abort", "error"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class StepEvent:
     accepted: int  # of those, how many the target accepted (accepted positions 0..accepted-1)
     finished: bool = False
     finish_reason: FinishReason | None = None
+    error: str | None = None  # set only with finish_reason == "error"; internal detail
 
 
 @dataclass

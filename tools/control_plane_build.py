@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.apt_sources import (
+from tools.apt_sources import (
     AptSource,
     deb_src_line,
     debian_mirror,

@@ -1,10 +1,10 @@
 """Build, start or inspect the real Kubernetes control plane used by the tests.
 
-    scripts/control_plane.py build                 # once; later runs return at once
-    scripts/control_plane.py start [--rbac]        # foreground until Ctrl-C / SIGTERM
-    scripts/control_plane.py status
+    python -m tools.control_plane_cli build   # once; later runs return at once
+    python -m tools.control_plane_cli start [--rbac]  # foreground until Ctrl-C / SIGTERM
+    python -m tools.control_plane_cli status
 
-The logic lives in tests/support/control_plane.py; this is its command line.
+The logic lives in tools/control_plane.py; this is its command line.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from types import FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.control_plane import (
+from tools.control_plane import (
     K8S_VERSION,
     Binaries,
     BuildError,

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from tests.support.control_plane_build import (
+from tools.control_plane_build import (
     K8S_VERSION,
     Binaries,
     BuildError,
