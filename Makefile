@@ -44,7 +44,7 @@ control-plane: install ## Build (once) etcd, kube-apiserver, controller-manager,
 	$(PY) -m tools.control_plane_cli build
 
 .PHONY: run
-run: models ## Demo: stream a support-chat completion from the real pair, with speedup
+run: models ## Demo: stream a coding completion from the real pair, with speedup
 	$(PY) scripts/demo.py
 
 .PHONY: test
@@ -59,7 +59,7 @@ test-fast: install ## Unit tests only
 lint: install ## ruff and mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy runtime/specpair_runtime operator/specpair_operator tests bench scripts
+	$(VENV)/bin/mypy runtime/specpair_runtime operator/specpair_operator tests tools bench scripts
 
 .PHONY: format
 format: install ## Apply ruff's formatter and fixes
@@ -92,6 +92,12 @@ e2e-kind: ## kind cluster + images + Helm install + CPU sample + a completion (n
 .PHONY: bench
 bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair
 	$(PY) bench/bench_engine.py
+
+.PHONY: gpu-check
+gpu-check: install ## CUDA GPU only: cuda tests + engine bench, real pair in bf16 -> gpu-check.json
+	$(PY) scripts/gpu_check.py --preflight
+	$(MAKE) --no-print-directory models
+	$(PY) scripts/gpu_check.py --output gpu-check.json
 
 .PHONY: clean
 clean: ## Remove the venv and caches inside the repo (not $(SPECPAIR_CACHE))

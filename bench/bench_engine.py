@@ -3,10 +3,11 @@
 A thin wrapper over ``specpair-runtime bench`` that points it at the Qwen2.5-Coder
 0.5B (draft) -> 1.5B (target) pair in the cache. All modes run in one process on
 the same loaded models and prompts, so the printed ratios compare like with
-like. The draft is int8-dynamic on the CPU (the target stays fp32, so the
+like; three rounds by default, ratios are medians over rounds with their
+spread. The draft is int8-dynamic on the CPU (the target stays fp32, so the
 output is unchanged); pass extra ``specpair-runtime bench`` flags through.
 
-    .venv/bin/python bench/bench_engine.py [--depths 2,4,6] [--repeats 2] [--plot FILE.png]
+    .venv/bin/python bench/bench_engine.py [--depths 2,4,6] [--runs 3] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(extra: list[str]) -> int:
 
     quantization = "none" if torch.cuda.is_available() else "int8-dynamic"
     defaults = ["--depths", "2,4,6", "--max-new-tokens", "32"]
+    # Medians over 3 rounds, with their spread.
+    rounds = [] if any(a.startswith("--runs") for a in extra) else ["--runs", "3"]
     argv = [
         "bench",
         "--target",
@@ -44,6 +47,7 @@ def main(extra: list[str]) -> int:
         "--draft-quantization",
         quantization,
         *(defaults if not any(a.startswith("--depths") for a in extra) else []),
+        *rounds,
         *extra,
     ]
     print(

@@ -10,8 +10,13 @@ ITL is the gap between consecutive SSE chunks of one stream, as a client sees
 it. With speculation one chunk carries every token of an accept step, so the
 per-chunk gap is also reported divided by the mean tokens per chunk.
 
+``--long-prompt-words N`` puts N words of context before every other prompt,
+so long prompts keep arriving while the other streams decode: the load that
+chunked prefill (``serving.maxStepTokens``) exists for.
+
     python bench/bench_server.py --tiny                       # tiny models built in code
     python bench/bench_server.py --config runtime.yaml --streams 1,4,8
+    python bench/bench_server.py --config runtime.yaml --long-prompt-words 400
 """
 
 from __future__ import annotations
@@ -158,15 +163,41 @@ async def one_stream(
     return StreamResult(ttft=(first or last) - start, gaps=gaps, chunks=chunks, tokens=tokens)
 
 
+FILLER = (
+    "Background for the assistant: the customer wrote in earlier about a delayed parcel, "
+    "a refund for a damaged item, and a question about changing the delivery address. "
+)
+
+
+def long_prompt(prompt: str, words: int) -> str:
+    """``prompt`` after ``words`` words of deterministic context."""
+    filler = FILLER.split()
+    context = " ".join(filler[i % len(filler)] for i in range(words))
+    return f"{context}\n\n{prompt}"
+
+
+def prompt_for(index: int, round_: int, long_words: int) -> str:
+    """Every other request of a stream is long (when ``long_words`` > 0)."""
+    prompt = PROMPTS[(index + round_) % len(PROMPTS)]
+    if long_words and (index + round_) % 2 == 1:
+        return long_prompt(prompt, long_words)
+    return prompt
+
+
 async def run_level(
-    base_url: str, mode: str, streams: int, requests_per_stream: int, max_tokens: int
+    base_url: str,
+    mode: str,
+    streams: int,
+    requests_per_stream: int,
+    max_tokens: int,
+    long_words: int = 0,
 ) -> LevelResult:
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=1800) as client:
 
         async def client_loop(index: int) -> list[StreamResult]:
             out = []
             for round_ in range(requests_per_stream):
-                prompt = PROMPTS[(index + round_) % len(PROMPTS)]
+                prompt = prompt_for(index, round_, long_words)
                 out.append(await one_stream(client, prompt, max_tokens, index))
             return out
 
@@ -222,7 +253,16 @@ def bench_mode(
         # Warm-up: first-call overheads must not land in the measurements.
         asyncio.run(run_level(base_url, mode, 1, 1, args.max_tokens))
         return [
-            asyncio.run(run_level(base_url, mode, n, args.requests_per_stream, args.max_tokens))
+            asyncio.run(
+                run_level(
+                    base_url,
+                    mode,
+                    n,
+                    args.requests_per_stream,
+                    args.max_tokens,
+                    args.long_prompt_words,
+                )
+            )
             for n in args.streams
         ]
     except Exception:
@@ -284,6 +324,13 @@ def main() -> int:
     parser.add_argument("--device", help="passed to serve --device")
     parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
+    parser.add_argument(
+        "--long-prompt-words",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N words of context before every other prompt (long prompts arriving)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:

@@ -47,9 +47,10 @@ def _constraints(schema: Schema) -> str:
     parts: list[str] = []
     if "enum" in schema:
         parts.append("one of " + ", ".join(f"`{v}`" for v in schema["enum"]))
+    # OpenAPI v3.0: exclusiveMinimum/exclusiveMaximum are flags on minimum/maximum.
     for key, label in (
-        ("minimum", ">="),
-        ("maximum", "<="),
+        ("minimum", ">" if schema.get("exclusiveMinimum") else ">="),
+        ("maximum", "<" if schema.get("exclusiveMaximum") else "<="),
         ("minLength", "min length"),
         ("maxLength", "max length"),
         ("minItems", "min items"),
@@ -161,6 +162,17 @@ def render(crd: dict[str, Any]) -> str:
             f"| {column['name']} | {column['type']} | `{_cell(column['jsonPath'])}` | "
             f"{_cell(str(column.get('description', '')))} |"
         )
+    root_rules = _rules(schema)
+    if root_rules:
+        lines += [
+            "",
+            "## Object rules",
+            "",
+            "Validation rules on the whole object (CEL, checked by Kubernetes 1.25 and newer; "
+            "the operator checks them too and reports a violation as `Degraded=InvalidSpec`):",
+            "",
+            *root_rules,
+        ]
     lines += ["", "## Fields", ""]
     properties = schema.get("properties", {})
     for top in ("spec", "status"):

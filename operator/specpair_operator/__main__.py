@@ -1,7 +1,8 @@
 """``python -m specpair_operator``: run the operator, write the CRD, or plan VRAM offline.
 
     run   [--namespace NS ...] [--metrics-port N] [--metrics-address A]
-          [--peering NAME [--priority N]] [--resync-seconds S] [--scrape-seconds S]
+          [--leader-election [--lease-namespace NS] [--lease-name N] [--lease-seconds S]]
+          [--resync-seconds S] [--scrape-seconds S] [--workers N]
           [--log-level debug|info|warning|error] [--liveness URL]
     crds  --output FILE
     plan  -f pair.yaml [--gpu-memory 80Gi] [--json]
@@ -24,8 +25,14 @@ from typing import Any
 import yaml
 
 from specpair_operator import crd
-from specpair_operator.api import SpecError, parse_spec
-from specpair_operator.headroom import DeviceMemory, device_memory, parse_quantity, plan_for_spec
+from specpair_operator.api import (
+    MAX_MEMORY_BYTES,
+    SpecError,
+    SpeculativePairSpec,
+    memory_bytes,
+    parse_spec,
+)
+from specpair_operator.headroom import DeviceMemory, device_memory, plan_for_spec
 from specpair_runtime.planner import gib
 
 USAGE_ERROR = 2
@@ -34,6 +41,19 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 class UsageError(Exception):
     """Bad input; the message names the field or flag."""
+
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _own_namespace() -> str:
+    """The pod's namespace (env POD_NAMESPACE, or the mounted service account), else default."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or "default"
+    except OSError:
+        return "default"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,16 +81,41 @@ def _parser() -> argparse.ArgumentParser:
         help="Address of /metrics; use 0.0.0.0 in a pod (env SPECPAIR_METRICS_ADDRESS).",
     )
     run.add_argument(
-        "--peering",
-        default=os.environ.get("SPECPAIR_PEERING") or None,
-        help="kopf peering name for HA (needs kopf's peering CRDs); default: standalone.",
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("SPECPAIR_LEADER_ELECTION", "") in ("1", "true"),
+        help="Elect one active replica through a coordination.k8s.io Lease (for replicas > 1; "
+        "env SPECPAIR_LEADER_ELECTION=1). Default: off, this replica acts alone.",
     )
-    run.add_argument("--priority", type=int, default=0, help="kopf peering priority.")
+    run.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("SPECPAIR_LEASE_NAMESPACE") or _own_namespace(),
+        help="Namespace of the Lease (env SPECPAIR_LEASE_NAMESPACE; default: the pod's own "
+        "namespace, else default).",
+    )
+    run.add_argument(
+        "--lease-name",
+        default=os.environ.get("SPECPAIR_LEASE_NAME", "specpair-operator"),
+        help="Name of the Lease (env SPECPAIR_LEASE_NAME).",
+    )
+    run.add_argument(
+        "--lease-seconds",
+        type=int,
+        default=int(os.environ.get("SPECPAIR_LEASE_SECONDS", "8")),
+        help="Lease duration: a killed leader is replaced within 1.5x this (default 8).",
+    )
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ.get("SPECPAIR_WORKERS", "4")),
+        help="Reconcile worker threads (env SPECPAIR_WORKERS; default 4).",
+    )
     run.add_argument(
         "--resync-seconds",
         type=float,
         default=float(os.environ.get("SPECPAIR_RESYNC_SECONDS", "15")),
-        help="Interval of the level-based resync timer.",
+        help="Interval of the level-based resync over every pair (from the watched copy; "
+        "it sends no request for a pair in line with its spec).",
     )
     run.add_argument(
         "--scrape-seconds",
@@ -111,27 +156,56 @@ def _load_spec_document(path: Path) -> object:
     return data.get("spec", data)
 
 
+def smallest_device(spec: SpeculativePairSpec, modes: tuple[str, ...], *, cuda: bool) -> int:
+    """The fewest device bytes for which the planner picks one of ``modes`` (bisection).
+
+    The planner itself decides, so headroom rounding and overheads are counted
+    exactly as the operator counts them.
+    """
+    low, high = 1, MAX_MEMORY_BYTES  # the plan is monotonic in the device size
+    while low < high:
+        middle = (low + high) // 2
+        if plan_for_spec(spec, DeviceMemory(middle, "bisection", cuda=cuda)).mode in modes:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def plan_command(path: Path, gpu_memory: str | None) -> dict[str, Any]:
-    """The plan as the JSON-ready dict that ``plan --json`` prints."""
+    """The plan as the JSON-ready dict that ``plan --json`` prints.
+
+    Without a device size (no ``--gpu-memory``, none in the spec) the mode is
+    ``Unknown``: the operator then deploys with speculation on and says so in
+    ``HeadroomSufficient``. The smallest devices for each mode are always given.
+    """
     try:
         spec = parse_spec(_load_spec_document(path))
     except SpecError as error:
         raise UsageError(str(error)) from None
+    device: DeviceMemory | None
     if gpu_memory is not None:
         try:
-            device = DeviceMemory(
-                parse_quantity(gpu_memory, field="--gpu-memory"), "--gpu-memory", cuda=True
-            )
+            device = DeviceMemory(memory_bytes(gpu_memory), "--gpu-memory", cuda=True)
         except ValueError as error:
-            raise UsageError(str(error)) from None
+            raise UsageError(f"--gpu-memory: {error}") from None
     else:
-        found = device_memory(spec)
-        if found is None:
-            field = (
-                "spec.resources.memory" if spec.resources.gpus == 0 else "spec.resources.gpuMemory"
-            )
-            raise UsageError(f"{field}: not set; pass --gpu-memory (e.g. 80Gi)")
-        device = found
+        device = device_memory(spec)
+    cuda = device.cuda if device is not None else spec.resources.gpus > 0
+    smallest = {
+        "colocated": smallest_device(spec, ("Colocated",), cuda=cuda),
+        "targetOnly": smallest_device(spec, ("Colocated", "TargetOnly"), cuda=cuda),
+    }
+    if device is None:
+        field = "spec.resources.memory" if spec.resources.gpus == 0 else "spec.resources.gpuMemory"
+        return {
+            "mode": "Unknown",
+            "requiredBytes": None,
+            "deviceBytes": None,
+            "headroomBytes": None,
+            "reason": f"device memory unknown: set {field} or pass --gpu-memory (e.g. 80Gi)",
+            "minDeviceBytes": smallest,
+        }
     result = plan_for_spec(spec, device)
     return {
         "mode": result.mode,
@@ -139,7 +213,12 @@ def plan_command(path: Path, gpu_memory: str | None) -> dict[str, Any]:
         "deviceBytes": result.device_bytes,
         "headroomBytes": result.headroom_bytes,
         "reason": result.reason,
+        "minDeviceBytes": smallest,
     }
+
+
+def _bytes(value: int | None) -> str:
+    return "unknown" if value is None else f"{gib(value)} ({value} bytes)"
 
 
 def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
@@ -147,10 +226,13 @@ def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(plan, indent=2))
         return
     print(f"mode:     {plan['mode']}")
-    print(f"required: {gib(plan['requiredBytes'])} ({plan['requiredBytes']} bytes)")
-    print(f"device:   {gib(plan['deviceBytes'])} ({plan['deviceBytes']} bytes)")
-    print(f"headroom: {gib(plan['headroomBytes'])} ({plan['headroomBytes']} bytes)")
+    print(f"required: {_bytes(plan['requiredBytes'])}")
+    print(f"device:   {_bytes(plan['deviceBytes'])}")
+    print(f"headroom: {_bytes(plan['headroomBytes'])}")
     print(f"reason:   {plan['reason']}")
+    smallest = plan["minDeviceBytes"]
+    print(f"smallest device with the draft (Colocated): {_bytes(smallest['colocated'])}")
+    print(f"smallest device for the target alone (TargetOnly): {_bytes(smallest['targetOnly'])}")
 
 
 def _run_operator(args: argparse.Namespace) -> None:
@@ -164,10 +246,12 @@ def _run_operator(args: argparse.Namespace) -> None:
     os.environ["SPECPAIR_METRICS_PORT"] = str(args.metrics_port)
     os.environ["SPECPAIR_METRICS_ADDRESS"] = args.metrics_address
     os.environ["SPECPAIR_WATCH_NAMESPACES"] = ",".join(args.namespace)
-    # The resync thread follows kopf's peering decisions (peering.py).
-    identity = f"specpair-{socket.gethostname()}-{os.getpid()}"
-    os.environ["SPECPAIR_PEERING"] = args.peering or ""
-    os.environ["SPECPAIR_PRIORITY"] = str(args.priority)
+    os.environ["SPECPAIR_WORKERS"] = str(args.workers)
+    os.environ["SPECPAIR_LEADER_ELECTION"] = "1" if args.leader_election else ""
+    os.environ["SPECPAIR_LEASE_NAMESPACE"] = args.lease_namespace
+    os.environ["SPECPAIR_LEASE_NAME"] = args.lease_name
+    os.environ["SPECPAIR_LEASE_SECONDS"] = str(args.lease_seconds)
+    identity = f"{socket.gethostname()}-{os.getpid()}"
     os.environ["SPECPAIR_IDENTITY"] = identity
     import kopf
 
@@ -176,10 +260,12 @@ def _run_operator(args: argparse.Namespace) -> None:
     # kopf's own logging setup, then the chosen level on the root logger.
     kopf.configure(debug=args.log_level == "debug", verbose=args.log_level == "debug")
     logging.getLogger().setLevel(args.log_level.upper())
+    if args.log_level != "debug":
+        # kopf logs every watch event it hands to a handler ("Handler ... succeeded").
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # Standalone for kopf: it only watches; the controller's Lease decides who acts.
     kopf.run(
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        priority=args.priority,
+        standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,

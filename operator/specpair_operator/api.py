@@ -14,10 +14,14 @@ checks the same rules in Python and the operator reports a violation in the
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specpair_runtime.config import (
     ContractModel,
@@ -26,6 +30,12 @@ from specpair_runtime.config import (
     describe_validation_error,
 )
 from specpair_runtime.golden import GoldenPrompt
+from specpair_runtime.planner import (
+    DRAFT_OVERHEAD_BYTES,
+    RUNTIME_OVERHEAD_BYTES,
+    ModelGeometry,
+    estimate,
+)
 
 GROUP = "specpair.dev"
 VERSION = "v1alpha1"
@@ -39,8 +49,37 @@ DEFAULT_RUNTIME_IMAGE = "ghcr.io/specpair/runtime:0.1.0"
 
 # A positive Kubernetes quantity (no sign, no exponent form): 80Gi, 81920Mi, 500m, 2.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$"
+# A memory size: not zero, no milli suffix, at most 19 integer digits: 80Gi, 512Mi, 0.5Gi.
+BYTES_PATTERN = r"^([1-9][0-9]{0,18}(\.[0-9]+)?|0?\.[0-9]*[1-9][0-9]*)([KMGTPE]i|[kMGTPE])?$"
+# Memory sizes above this are refused: the plan's byte counts must fit status's int64 fields.
+MAX_MEMORY_BYTES = 2**60  # 1Ei
+# A planned total above this cannot be written to status (int64), whatever the device.
+MAX_PLANNED_BYTES = 2**62
+# The pair's name is a label value (app.kubernetes.io/instance) and the Service's name,
+# a DNS-1035 label. The operator adds suffixes only to ConfigMap names (DNS-1123
+# subdomains, 253 characters), so 63 is the limit.
+MAX_NAME_LENGTH = 63
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Names of the objects a pair refers to (DNS-1123 subdomain) and keys of their data.
+SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DATA_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# Label values, and the name part of label keys (core/v1's qualified names).
+LABEL_NAME_PATTERN = r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
+# Inline golden prompts are bounded so that the pair object and its ConfigMap stay small
+# (kopf, etcd and ConfigMaps all have size limits); larger sets go in a configMapRef.
+MAX_INLINE_GOLDEN_PROMPTS = 64
+MAX_GOLDEN_PROMPT_LENGTH = 4096
+MAX_INLINE_GOLDEN_BYTES = 256 * 1024  # all inline prompts, as JSON
 # metav1.Condition's reason: CamelCase identifier.
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+GPUS_MESSAGE = (
+    "resources.gpus must be 0 or 1: the runtime serves the pair on one GPU, so more "
+    "would be requested and sit idle (multi-GPU serving is not supported yet)"
+)
+TOLERATION_EXISTS_MESSAGE = "a toleration with operator Exists must not have a value"
+TOLERATION_EMPTY_KEY_MESSAGE = "a toleration without a key needs operator Exists"
 
 
 @dataclass(frozen=True)
@@ -53,6 +92,14 @@ class CelRule:
 
 
 CEL_RULES: tuple[CelRule, ...] = (
+    CelRule(
+        "",
+        f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
+        f"self.metadata.name.matches('{NAME_PATTERN}')",
+        f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+        "(lower-case letters, digits and '-', starting with a letter): it names the "
+        "Service and is a label value",
+    ),
     CelRule(
         "spec",
         "self.draft.source != self.target.source",
@@ -78,6 +125,21 @@ CEL_RULES: tuple[CelRule, ...] = (
         "!has(self.gpuMemory) || !has(self.gpus) || self.gpus > 0",
         "resources.gpuMemory needs resources.gpus >= 1",
     ),
+    CelRule(
+        "spec.resources",
+        "!has(self.gpus) || self.gpus <= 1",
+        GPUS_MESSAGE,
+    ),
+    CelRule(
+        "spec.scheduling.tolerations[]",
+        "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        TOLERATION_EXISTS_MESSAGE,
+    ),
+    CelRule(
+        "spec.scheduling.tolerations[]",
+        "has(self.key) && self.key != '' || has(self.operator) && self.operator == 'Exists'",
+        TOLERATION_EMPTY_KEY_MESSAGE,
+    ),
 )
 
 
@@ -86,6 +148,7 @@ class SizeHints(ContractModel):
 
     parameters: int = Field(
         ge=1,
+        le=10**15,
         json_schema_extra={"format": "int64"},
         description="Parameter count, e.g. 8030261248 for Llama-3.1-8B.",
     )
@@ -104,41 +167,73 @@ class Resources(ContractModel):
     """Compute resources of one replica (one pod holds the whole pair)."""
 
     gpus: int = Field(
-        default=1, ge=0, le=16, description="nvidia.com/gpu per pod; 0 runs on the CPU."
+        default=1,
+        ge=0,
+        # In the CRD only: `_one_gpu` gives Python the reason (as the CEL rule does).
+        json_schema_extra={"maximum": 1},
+        description=(
+            "nvidia.com/gpu per pod: 1, or 0 to run on the CPU. More is refused: the "
+            "runtime serves the pair on one GPU, so extra GPUs would sit idle."
+        ),
     )
     gpu_memory: str | None = Field(
         default=None,
-        pattern=QUANTITY_PATTERN,
+        max_length=32,
+        # In the CRD only: `_bounded_bytes` gives Python a clearer message.
+        json_schema_extra={"pattern": BYTES_PATTERN},
         description=(
-            "Memory of one GPU, e.g. 80Gi. If unset, the smallest nvidia.com/gpu.memory "
-            "node label (MiB) among the nodes the pair may run on is used."
+            "Memory of one GPU, e.g. 80Gi (more than 0, at most 1Ei). If unset, the smallest "
+            "nvidia.com/gpu.memory node label (MiB) among the nodes the pair may run on is used."
         ),
     )
     headroom_fraction: float = Field(
         default=0.1,
         ge=0.0,
         lt=1.0,
-        description="Fraction of device memory the plan keeps free.",
+        description="Fraction of device memory the plan keeps free (0 or more, less than 1).",
     )
     cpu: str | None = Field(
         default=None, pattern=QUANTITY_PATTERN, description="CPU request and limit, e.g. 4."
     )
     memory: str | None = Field(
         default=None,
-        pattern=QUANTITY_PATTERN,
-        description="Memory request and limit, e.g. 32Gi; with gpus 0 it is the planned device.",
+        max_length=32,
+        # In the CRD only: `_bounded_bytes` gives Python a clearer message.
+        json_schema_extra={"pattern": BYTES_PATTERN},
+        description=(
+            "Memory request and limit, e.g. 32Gi (more than 0, at most 1Ei); with gpus 0 it "
+            "is the planned device."
+        ),
     )
+
+    @field_validator("gpus")
+    @classmethod
+    def _one_gpu(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(GPUS_MESSAGE)
+        return value
+
+    @field_validator("gpu_memory", "memory")
+    @classmethod
+    def _bounded_bytes(cls, value: str | None) -> str | None:
+        if value is not None:
+            memory_bytes(value)
+        return value
 
 
 class Rollout(ContractModel):
     """How a new revision replaces the old one (old pods serve until new ones are ready)."""
 
     max_surge: int = Field(
-        default=1, ge=1, description="Extra pods during a rollout (maxUnavailable is always 0)."
+        default=1,
+        ge=1,
+        le=1000,
+        description="Extra pods during a rollout (maxUnavailable is always 0).",
     )
     progress_deadline_seconds: int = Field(
         default=1800,
         ge=10,
+        le=604800,
         description=(
             "A new revision not ready within this is rolled back to the last good one "
             "(Degraded, RolloutFailed)."
@@ -147,6 +242,7 @@ class Rollout(ContractModel):
     startup_timeout_seconds: int = Field(
         default=1800,
         ge=30,
+        le=604800,
         description="Time the startupProbe allows for loading the models and golden prompts.",
     )
 
@@ -163,6 +259,7 @@ class AcceptanceDriftSpec(ContractModel):
     min_drafted_tokens: int = Field(
         default=200,
         ge=1,
+        le=10**12,
         description="Drafted tokens an observation needs before it counts (the sample size).",
     )
 
@@ -170,26 +267,68 @@ class AcceptanceDriftSpec(ContractModel):
 class ConfigMapKeyRef(ContractModel):
     """A key of a ConfigMap in the pair's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, description="ConfigMap name.")
-    key: str = Field(default="golden.yaml", min_length=1, description="Key holding the file.")
+    name: str = Field(
+        min_length=1, max_length=253, pattern=SUBDOMAIN_PATTERN, description="ConfigMap name."
+    )
+    key: str = Field(
+        default="golden.yaml",
+        min_length=1,
+        max_length=253,
+        pattern=DATA_KEY_PATTERN,
+        description="Key holding the file.",
+    )
 
 
 class SecretKeyRef(ContractModel):
     """A key of a Secret in the pair's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, description="Secret name.")
-    key: str = Field(min_length=1, description="Key holding the value.")
+    name: str = Field(
+        min_length=1, max_length=253, pattern=SUBDOMAIN_PATTERN, description="Secret name."
+    )
+    key: str = Field(
+        min_length=1, max_length=253, pattern=DATA_KEY_PATTERN, description="Key holding the value."
+    )
+
+
+class InlineGoldenPrompt(GoldenPrompt):
+    """A golden prompt written into the pair itself (bounded; see GoldenPromptsSpec)."""
+
+    name: str = Field(min_length=1, max_length=253, description="Name shown in reports.")
+    prompt: str = Field(
+        max_length=MAX_GOLDEN_PROMPT_LENGTH,
+        description=f"The prompt text (at most {MAX_GOLDEN_PROMPT_LENGTH} characters inline).",
+    )
 
 
 class GoldenPromptsSpec(ContractModel):
     """Golden prompts checked before a pod turns ready: inline or from a ConfigMap."""
 
-    inline: list[GoldenPrompt] | None = Field(
-        default=None, min_length=1, description="The golden prompts themselves."
+    inline: list[InlineGoldenPrompt] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_INLINE_GOLDEN_PROMPTS,
+        description=(
+            f"The golden prompts themselves, at most {MAX_INLINE_GOLDEN_PROMPTS}. A larger set "
+            "goes in a ConfigMap (configMapRef): the pair object and its ConfigMap must stay "
+            "small."
+        ),
     )
     config_map_ref: ConfigMapKeyRef | None = Field(
         default=None, description="A ConfigMap key holding a golden-prompt file."
     )
+
+    @field_validator("inline")
+    @classmethod
+    def _small_enough(
+        cls, value: list[InlineGoldenPrompt] | None
+    ) -> list[InlineGoldenPrompt] | None:
+        size = sum(len(json.dumps(p.to_wire())) for p in value or [])
+        if size > MAX_INLINE_GOLDEN_BYTES:
+            raise ValueError(
+                f"the inline golden prompts take {size} bytes, more than "
+                f"{MAX_INLINE_GOLDEN_BYTES}: put them in a ConfigMap and use configMapRef"
+            )
+        return value
 
 
 class ServingSpec(ContractModel):
@@ -201,25 +340,136 @@ class ServingSpec(ContractModel):
         default=2048, ge=16, le=1048576, description="Prompt plus output tokens per request."
     )
     max_waiting_requests: int = Field(
-        default=64, ge=0, description="Queued requests beyond which the server answers 429."
+        default=64,
+        ge=0,
+        le=1000000,
+        description="Queued requests beyond which the server answers 429.",
     )
     api_key_secret: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the Bearer API key; unset means no auth."
     )
 
 
+NodeOperator = Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
+LabelOperator = Literal["In", "NotIn", "Exists", "DoesNotExist"]
+
+
+def _check_values(operator: str, values: list[str]) -> None:
+    """core/v1's rules for a selector requirement's values."""
+    if operator in ("In", "NotIn") and not values:
+        raise ValueError(f"operator {operator} needs values")
+    if operator in ("Exists", "DoesNotExist") and values:
+        raise ValueError(f"operator {operator} takes no values")
+    if operator in ("Gt", "Lt") and (len(values) != 1 or not re.fullmatch(r"-?[0-9]+", values[0])):
+        raise ValueError(f"operator {operator} needs exactly one integer value")
+
+
+class NodeSelectorRequirement(ContractModel):
+    """A core/v1 NodeSelectorRequirement."""
+
+    key: str = Field(min_length=1)
+    operator: NodeOperator
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values(self) -> NodeSelectorRequirement:
+        _check_values(self.operator, self.values)
+        return self
+
+
+class NodeSelectorTerm(ContractModel):
+    match_expressions: list[NodeSelectorRequirement] = Field(default_factory=list)
+    match_fields: list[NodeSelectorRequirement] = Field(default_factory=list)
+
+
+class NodeSelector(ContractModel):
+    node_selector_terms: list[NodeSelectorTerm] = Field(min_length=1)
+
+
+class PreferredSchedulingTerm(ContractModel):
+    weight: int = Field(ge=1, le=100)
+    preference: NodeSelectorTerm
+
+
+class NodeAffinity(ContractModel):
+    required_during_scheduling_ignored_during_execution: NodeSelector | None = None
+    preferred_during_scheduling_ignored_during_execution: list[PreferredSchedulingTerm] = Field(
+        default_factory=list
+    )
+
+
+class LabelSelectorRequirement(ContractModel):
+    key: str = Field(min_length=1)
+    operator: LabelOperator
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values(self) -> LabelSelectorRequirement:
+        _check_values(self.operator, self.values)
+        return self
+
+
+class LabelSelector(ContractModel):
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+
+class PodAffinityTerm(ContractModel):
+    label_selector: LabelSelector | None = None
+    namespaces: list[str] = Field(default_factory=list)
+    namespace_selector: LabelSelector | None = None
+    topology_key: str = Field(min_length=1)
+    match_label_keys: list[str] = Field(default_factory=list)
+    mismatch_label_keys: list[str] = Field(default_factory=list)
+
+
+class WeightedPodAffinityTerm(ContractModel):
+    weight: int = Field(ge=1, le=100)
+    pod_affinity_term: PodAffinityTerm
+
+
+class PodAffinity(ContractModel):
+    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(
+        default_factory=list
+    )
+    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
+        default_factory=list
+    )
+
+
+class Affinity(ContractModel):
+    """The shape of a core/v1 Affinity (checked by the operator; see Scheduling.affinity)."""
+
+    node_affinity: NodeAffinity | None = None
+    pod_affinity: PodAffinity | None = None
+    pod_anti_affinity: PodAffinity | None = None
+
+
 class Toleration(ContractModel):
     """A core/v1 Toleration."""
 
-    key: str | None = Field(default=None, description="Taint key; empty matches all keys.")
+    key: str | None = Field(
+        default=None, max_length=316, description="Taint key; empty matches all keys."
+    )
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Match operator.")
-    value: str | None = Field(default=None, description="Taint value for Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value for Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect; empty matches all effects."
     )
     toleration_seconds: int | None = Field(
-        default=None, description="How long a NoExecute taint is tolerated."
+        default=None,
+        json_schema_extra={"format": "int64"},
+        description="How long a NoExecute taint is tolerated.",
     )
+
+    @model_validator(mode="after")
+    def _operator_rules(self) -> Toleration:
+        # core/v1 validation, which would otherwise reject the Deployment (422).
+        if self.operator == "Exists" and self.value:
+            raise ValueError(TOLERATION_EXISTS_MESSAGE)
+        if not self.key and self.operator != "Exists":
+            raise ValueError(TOLERATION_EMPTY_KEY_MESSAGE)
+        return self
 
 
 class Scheduling(ContractModel):
@@ -228,10 +478,39 @@ class Scheduling(ContractModel):
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels a node must have."
     )
-    tolerations: list[Toleration] = Field(default_factory=list, description="Taints tolerated.")
-    affinity: dict[str, Any] | None = Field(
-        default=None, description="A core/v1 Affinity, passed to the pod unchanged."
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            problem = label_key_problem(key) or label_value_problem(label)
+            if problem is not None:
+                raise ValueError(f"{key}: {problem}")
+        return value
+
+    # Bounded so that the CEL rules on each item stay within the apiserver's cost budget.
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Taints tolerated."
     )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "A core/v1 Affinity, passed to the pod unchanged; the operator checks its shape "
+            "and reports a malformed one as Degraded=InvalidSpec."
+        ),
+    )
+
+    @field_validator("affinity")
+    @classmethod
+    def _affinity_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            # Checked here, not in the CRD: the CRD keeps it free-form so that fields of
+            # newer Kubernetes versions pass through; the pod gets the dict unchanged.
+            try:
+                Affinity.model_validate(value)
+            except ValidationError as error:
+                raise ValueError(describe_validation_error(error)) from None
+        return value
 
 
 class SpeculativePairSpec(ContractModel):
@@ -269,7 +548,8 @@ class SpeculativePairSpec(ContractModel):
     )
 
     # The CEL rules, for apiservers that ignore them (keep in sync with CEL_RULES;
-    # test_cel_rules.py checks both on the same objects).
+    # test_cel_rules.py checks both on the same objects). The metadata.name rule is
+    # `name_problem`; the gpus and toleration rules are checked by their fields' models.
     @model_validator(mode="after")
     def _cel_rules(self) -> SpeculativePairSpec:
         if self.draft.source == self.target.source:
@@ -281,6 +561,22 @@ class SpeculativePairSpec(ContractModel):
             raise ValueError("goldenPrompts needs exactly one of inline or configMapRef")
         if self.resources.gpu_memory is not None and self.resources.gpus == 0:
             raise ValueError("resources.gpuMemory needs resources.gpus >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _plan_fits_int64(self) -> SpeculativePairSpec:
+        # The plan's byte counts go into status as int64; the widest dtype bounds them.
+        tokens = self.serving.max_batch_size * self.serving.max_model_length
+        total = RUNTIME_OVERHEAD_BYTES + DRAFT_OVERHEAD_BYTES
+        for model in (self.target, self.draft):
+            size = model.size
+            geometry = ModelGeometry(size.parameters, size.layers, size.kv_heads, size.head_dim)
+            total += estimate(geometry, tokens, cuda=False).total_bytes
+        if total > MAX_PLANNED_BYTES:
+            raise ValueError(
+                f"the pair would need {total} bytes (more than 2^62): check target.size, "
+                "draft.size and serving.maxBatchSize x serving.maxModelLength"
+            )
         return self
 
 
@@ -390,10 +686,22 @@ class SpeculativePairStatus(ContractModel):
         default=None, description="The .metadata.generation last reconciled."
     )
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded, HeadroomSufficient."
+        default_factory=list,
+        description="Ready, Progressing, Degraded, HeadroomSufficient and, once a placement "
+        "change was held, PlacementChangePending.",
     )
     current_revision: str | None = Field(
-        default=None, description="Revision hash of the pair the Deployment now runs."
+        default=None,
+        description="Revision hash the pods serve: the last one that all pods ran, with one "
+        "available.",
+    )
+    serving_version: str | None = Field(
+        default=None, description="spec.version of currentRevision: the version that serves."
+    )
+    desired_version: str | None = Field(
+        default=None,
+        description="spec.version of the observed generation; differs from servingVersion "
+        "during a rollout and after a rollback.",
     )
     placement: Placement | None = Field(default=None, description="The VRAM placement plan.")
     acceptance: AcceptanceStatus | None = Field(
@@ -414,9 +722,67 @@ class SpecError(ValueError):
     """A spec the operator cannot use; the message names the field."""
 
 
+def memory_bytes(text: str) -> int:
+    """A memory quantity in bytes: ValueError unless it is 1 byte to 1Ei, without 'm'."""
+    if re.fullmatch(BYTES_PATTERN, text) is None:
+        raise ValueError(
+            f"{text!r} is not a memory size such as 80Gi or 512Mi "
+            "(more than 0, no milli suffix 'm')"
+        )
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", text)
+    assert match is not None  # BYTES_PATTERN guarantees it
+    scale = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+    scale |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    scale |= {"Pi": 2**50, "Ei": 2**60}
+    value = int(Decimal(match.group(1)) * scale[match.group(2)])
+    if value < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    if value > MAX_MEMORY_BYTES:
+        raise ValueError(f"{text!r} is more than 1Ei")
+    return value
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why ``key`` is not a label key (``[prefix/]name``), or None."""
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or re.fullmatch(SUBDOMAIN_PATTERN, prefix) is None):
+        return f"label key prefix {prefix!r} is not a DNS subdomain"
+    if len(name) > 63 or re.fullmatch(LABEL_NAME_PATTERN, name) is None:
+        return f"label key {key!r}: the name part must be 1-63 letters, digits, '-', '_' or '.'"
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why ``value`` is not a label value, or None."""
+    if value and (len(value) > 63 or re.fullmatch(LABEL_NAME_PATTERN, value) is None):
+        return f"label value {value!r}: at most 63 letters, digits, '-', '_' or '.'"
+    return None
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a pair (the CEL rule on metadata.name), or None."""
+    if len(name) > MAX_NAME_LENGTH:
+        return f"{name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH}"
+    if re.fullmatch(NAME_PATTERN, name) is None:
+        return (
+            f"{name!r} is not a DNS-1035 label (lower-case letters, digits and '-', "
+            "starting with a letter): it names the pair's Service"
+        )
+    return None
+
+
 def parse_spec(data: object) -> SpeculativePairSpec:
     """Validate a ``.spec`` dict; raise SpecError naming each bad field."""
     try:
         return SpeculativePairSpec.model_validate(data)
     except ValidationError as error:
         raise SpecError(describe_validation_error(error, prefix="spec.")) from None
+
+
+def parse_pair(body: Mapping[str, Any]) -> SpeculativePairSpec:
+    """Validate a whole SpeculativePair: its name, then its spec (SpecError names the field)."""
+    name = str((body.get("metadata") or {}).get("name") or "")
+    problem = name_problem(name)
+    if problem is not None:
+        raise SpecError(f"metadata.name: {problem}")
+    return parse_spec(body.get("spec"))

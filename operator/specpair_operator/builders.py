@@ -50,6 +50,7 @@ CONTAINER_NAME = "runtime"
 PORT_NAME = "http"
 RUNTIME_UID = 65532  # "nonroot" in distroless images
 PROBE_PERIOD_SECONDS = 10
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"  # the runtime's default, and Kubernetes'
 
 REVISION_LABEL = "specpair.dev/revision"
 HASH_ANNOTATION = "specpair.dev/applied-hash"
@@ -296,6 +297,11 @@ def container(spec: SpeculativePairSpec, mounts: list[dict[str, Any]]) -> dict[s
         "startupProbe": _probe("/healthz", period=PROBE_PERIOD_SECONDS, failures=startup_failures),
         "readinessProbe": _probe("/readyz", period=5, failures=3),
         "livenessProbe": _probe("/healthz", period=PROBE_PERIOD_SECONDS, failures=3),
+        # `serve` writes why it could not start to this file (specpair_runtime.termination);
+        # the log tail stands in when it died before it could. The operator rolls a
+        # revision back as soon as a pod of it terminates with a message.
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUNTIME_UID,

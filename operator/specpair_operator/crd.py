@@ -31,6 +31,13 @@ PRINTER_COLUMNS: list[Schema] = [
         "description": "The pair's version label.",
     },
     {
+        "name": "Serving",
+        "type": "string",
+        "jsonPath": ".status.servingVersion",
+        "description": "The version the pods serve (differs from Version during a rollout "
+        "and after a rollback).",
+    },
+    {
         "name": "Mode",
         "type": "string",
         "jsonPath": ".status.placement.mode",
@@ -125,9 +132,12 @@ def to_structural(model_schema: Schema, *, defaults: bool = True) -> Schema:
 
 
 def _node_at(schema: Schema, path: str) -> Schema:
+    """The node at a dotted path; "" is the root, ``name[]`` the items of array ``name``."""
     node = schema
-    for part in path.split("."):
-        node = node["properties"][part]
+    for part in filter(None, path.split(".")):
+        node = node["properties"][part.removesuffix("[]")]
+        if part.endswith("[]"):
+            node = node["items"]
     return node
 
 

@@ -2,9 +2,10 @@
 
 The device memory comes from ``spec.resources.gpuMemory`` when set. Else it
 is the smallest ``nvidia.com/gpu.memory`` label (MiB, set by GPU feature
-discovery) among the nodes that the pair's nodeSelector, tolerations and
-required node affinity admit: a pod may land on any of them, so the plan must
-hold on the smallest. With ``gpus: 0`` (CPU mode) the device is the pod's
+discovery) among the Ready, schedulable nodes that the pair's nodeSelector,
+tolerations and required node affinity admit: a pod may land on any of them,
+so the plan must hold on the smallest. A NotReady or cordoned node takes no
+new pods, so it does not count. With ``gpus: 0`` (CPU mode) the device is the pod's
 ``resources.memory``.
 """
 
@@ -121,6 +122,18 @@ def node_admits(node: Mapping[str, Any], spec: SpeculativePairSpec) -> bool:
     return _affinity_admits(labels, spec.scheduling.affinity)
 
 
+def node_usable(node: Mapping[str, Any]) -> bool:
+    """Ready and schedulable: a node the scheduler would place a new pod on."""
+    if (node.get("spec") or {}).get("unschedulable"):
+        return False
+    if (node.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return bool(cond.get("status") == "True")
+    return False
+
+
 def device_memory(
     spec: SpeculativePairSpec, nodes: Iterable[Mapping[str, Any]] = ()
 ) -> DeviceMemory | None:
@@ -144,7 +157,7 @@ def device_memory(
     for node in nodes:
         labels = (node.get("metadata") or {}).get("labels") or {}
         value = labels.get(GPU_MEMORY_LABEL)
-        if value is None or not node_admits(node, spec):
+        if value is None or not node_usable(node) or not node_admits(node, spec):
             continue
         try:
             sizes.append((int(value) * MIB, node["metadata"]["name"]))

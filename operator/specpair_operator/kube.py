@@ -17,6 +17,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from specpair_operator import api
+from specpair_operator.metrics import API_REQUESTS
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -52,6 +53,18 @@ def object_path(obj: Obj, *, collection: bool = False) -> str:
     return path_for(obj["apiVersion"], plural, meta.get("namespace"), name)
 
 
+def resource_of(path: str) -> str:
+    """The resource a REST path names, e.g. ``speculativepairs/status`` or ``leases``."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    # /api/v1[/namespaces/NS]/PLURAL[/NAME[/SUB]] or /apis/GROUP/VERSION/...
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    if not rest:
+        return ""
+    return rest[0] if len(rest) < 3 else f"{rest[0]}/{rest[2]}"
+
+
 def pair_path(namespace: str, name: str) -> str:
     return path_for(api.API_VERSION, api.PLURAL, namespace, name)
 
@@ -71,6 +84,7 @@ class Kube:
         content_type: str = "application/json",
         query: list[tuple[str, str]] | None = None,
     ) -> Obj:
+        API_REQUESTS.labels(verb=method, resource=resource_of(path)).inc()
         request = self.api_client.param_serialize(
             method=method,
             resource_path=path,

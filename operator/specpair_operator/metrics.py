@@ -19,6 +19,12 @@ WRITES = Counter(
     "Writes to the API server, by kind of object and verb.",
     ["kind", "verb"],
 )
+API_REQUESTS = Counter(
+    "specpair_operator_api_requests_total",
+    "Requests the operator sent to the API server (kopf's watch streams aside), by verb and "
+    "resource.",
+    ["verb", "resource"],
+)
 LATENCY = Histogram(
     "specpair_operator_reconcile_duration_seconds",
     "Wall time of one reconcile pass.",

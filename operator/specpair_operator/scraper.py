@@ -1,10 +1,12 @@
 """Scrape the pods' ``/metrics`` into ``status.acceptance`` and the revision baseline.
 
-Free of kopf: the handlers run `Scraper.scrape` from a plain thread every
+Free of kopf: the controller runs `Scraper.scrape` from a plain thread every
 ``SPECPAIR_SCRAPE_SECONDS``. Only the ready pods of the current revision
-count. The math is in `acceptance.py`; this module does the I/O and keeps
-the per-pod anchors between scrapes (in memory: after an operator restart
-the first interval counts from each pod's start, which is still real data).
+count; they come from the watched store, so only the pods' own ``/metrics``
+and a changed status cost requests. The math is in `acceptance.py`; this
+module does the I/O and keeps the per-pod anchors between scrapes (in
+memory: after an operator restart the first interval counts from each pod's
+start, which is still real data).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import Any
 from specpair_operator import acceptance, pods
 from specpair_operator.acceptance import PodSample
 from specpair_operator.api import SpecError, parse_spec
-from specpair_operator.builders import PairRef
+from specpair_operator.builders import REVISION_LABEL, PairRef
 from specpair_operator.conditions import rfc3339
 from specpair_operator.history import find, with_baseline
 from specpair_operator.kube import Kube, pair_path
+from specpair_operator.store import PAIR, POD, Store
 
 log = logging.getLogger("specpair.scraper")
 
@@ -43,6 +46,7 @@ class Scraper:
     """Anchors per pair uid; `scrape` returns the status patch it wrote (or None)."""
 
     kube: Kube
+    store: Store
     fetch: Fetch = pods.fetch
     anchors: dict[str, PairAnchors] = field(default_factory=dict)
 
@@ -73,7 +77,9 @@ class Scraper:
             return None
         if not current:
             return None
-        ready = [p for p in pods.list_pods(self.kube, pair, current) if pods.is_ready(p)]
+        selector = {"app.kubernetes.io/instance": pair.name, REVISION_LABEL: current}
+        found = self.store.select(POD, pair.namespace, selector)
+        ready = [p for p in found if pods.is_ready(p)]
         samples: dict[str, PodSample] = {}
         for pod in ready:
             sample = self._sample(pod)
@@ -118,5 +124,8 @@ class Scraper:
             patch["acceptance"] = {**previous, "speculationOff": off}
         else:
             return None  # the interval grows until it holds enough drafted tokens
-        self.kube.merge_patch(pair_path(pair.namespace, pair.name) + "/status", {"status": patch})
+        written = self.kube.merge_patch(
+            pair_path(pair.namespace, pair.name) + "/status", {"status": patch}
+        )
+        self.store.put(PAIR, written)
         return patch

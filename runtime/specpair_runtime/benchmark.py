@@ -1,8 +1,16 @@
 """``specpair-runtime bench``: target-only vs specpair vs transformers assisted generation.
 
 All modes run on the same loaded pair, the same prompts and in the same
-process, so the ratios compare like with like. Speed is measured, never
-asserted; greedy identity with target-only decoding is reported per mode.
+process, so the ratios compare like with like. With ``runs`` > 1 every mode
+runs once per round, rounds one after the other; each ratio is computed
+within a round and the table shows the median over rounds with its spread
+(min-max), so a noisy neighbour on a shared machine hits both sides.
+Speed is measured, never asserted; greedy identity with target-only decoding
+is reported per mode.
+
+HF assisted generation runs twice per round: on transformers' stock CPU
+kernels (before the engine switches the linears to oneDNN) and on the same
+oneDNN kernels as specpair, so both baselines are shown side by side.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +28,9 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.cpu_kernels import restore_default_linears
 from specpair_runtime.engine.oneshot import run_request
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
 from specpair_runtime.engine.prompting import encode_prompt
 
@@ -35,6 +46,8 @@ DEFAULT_PROMPTS = (
 )
 TARGET_ONLY = "target-only"
 HF_ASSISTED = "hf-assisted"
+HF_ASSISTED_ONEDNN = "hf-assisted (onednn)"
+DEFAULT_MODE = "specpair default"
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,7 @@ class BenchSettings:
     adaptive: bool = True
     hf_assisted: bool = True
     repeats: int = 1
+    runs: int = 1  # rounds of all modes; ratios are medians over rounds
 
     @property
     def prompt_texts(self) -> list[str]:
@@ -65,10 +79,25 @@ class ModeResult:
     target_passes: int = 0
     identical: bool = True  # token ids equal target-only's on every prompt
     outputs: list[list[int]] = field(default_factory=list)
+    run_rates: list[float] = field(default_factory=list)  # tokens/s of each round
 
     @property
     def tokens_per_second(self) -> float:
+        """The median over rounds (one round: tokens / seconds)."""
+        if self.run_rates:
+            return statistics.median(self.run_rates)
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    def absorb(self, run: ModeResult) -> None:
+        """Add one round's result of the same mode."""
+        self.tokens += run.tokens
+        self.seconds += run.seconds
+        self.target_passes += run.target_passes
+        if run.drafted is not None and self.drafted is not None:
+            self.drafted += run.drafted
+        if run.accepted is not None and self.accepted is not None:
+            self.accepted += run.accepted
+        self.run_rates.append(run.tokens / run.seconds if run.seconds else 0.0)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -90,11 +119,20 @@ class BenchResult:
     def mode(self, name: str) -> ModeResult | None:
         return next((m for m in self.modes if m.mode == name), None)
 
-    def ratio(self, mode: ModeResult, baseline: str) -> float | None:
+    def ratios(self, mode: ModeResult, baseline: str) -> list[float]:
+        """Per-round ratios of tokens/s (mode over baseline, same round)."""
         base = self.mode(baseline)
-        if base is None or not base.tokens_per_second:
-            return None
-        return mode.tokens_per_second / base.tokens_per_second
+        if base is None:
+            return []
+        return [m / b for m, b in zip(mode.run_rates, base.run_rates, strict=False) if b]
+
+    def ratio(self, mode: ModeResult, baseline: str) -> float | None:
+        values = self.ratios(mode, baseline)
+        return statistics.median(values) if values else None
+
+    def spread(self, mode: ModeResult, baseline: str) -> tuple[float, float] | None:
+        values = self.ratios(mode, baseline)
+        return (min(values), max(values)) if values else None
 
     def to_dict(self) -> dict[str, object]:
         rows = []
@@ -111,8 +149,13 @@ class BenchResult:
                     "acceptance_rate": m.acceptance_rate,
                     "target_passes": m.target_passes,
                     "tokens_per_target_pass": m.tokens_per_target_pass,
+                    "tokens_per_second_per_round": m.run_rates,
                     "vs_target_only": self.ratio(m, TARGET_ONLY),
+                    "vs_target_only_per_round": self.ratios(m, TARGET_ONLY),
                     "vs_hf_assisted": self.ratio(m, HF_ASSISTED),
+                    "vs_hf_assisted_per_round": self.ratios(m, HF_ASSISTED),
+                    "vs_hf_assisted_onednn": self.ratio(m, HF_ASSISTED_ONEDNN),
+                    "vs_hf_assisted_onednn_per_round": self.ratios(m, HF_ASSISTED_ONEDNN),
                     "identical_to_target_only": m.identical,
                 }
             )
@@ -170,7 +213,9 @@ def stop_token_ids(pair: LoadedPair) -> list[int]:
     return sorted(ids)
 
 
-def run_hf_assisted(pair: LoadedPair, prompt_ids: list[int], max_new_tokens: int) -> ModeResult:
+def run_hf_assisted(
+    pair: LoadedPair, prompt_ids: list[int], max_new_tokens: int, name: str = HF_ASSISTED
+) -> ModeResult:
     """transformers' assisted generation (``assistant_model=``) with library defaults."""
     from transformers import GenerationConfig
 
@@ -200,7 +245,7 @@ def run_hf_assisted(pair: LoadedPair, prompt_ids: list[int], max_new_tokens: int
         counter.close()
     new_ids = [int(i) for i in output[0, len(prompt_ids) :].tolist()]
     return ModeResult(
-        HF_ASSISTED,
+        name,
         None,
         tokens=len(new_ids),
         seconds=seconds,
@@ -219,7 +264,10 @@ def run_engine_mode(
     settings: BenchSettings,
 ) -> ModeResult:
     """Decode every prompt greedily with one engine configuration (None: target-only)."""
-    engine = pair.engine(speculate=knobs is not None, knobs=knobs)
+    # KV storage for one request at a time (the default sizes a serving batch).
+    length = max(len(p) for p in prompts) + settings.max_new_tokens
+    options = EngineOptions(max_slots=1, max_length=length)
+    engine = pair.engine(speculate=knobs is not None, knobs=knobs, options=options)
     params = SamplingParams(max_new_tokens=settings.max_new_tokens)
     run_request(engine, prompts[0], SamplingParams(max_new_tokens=2))  # warm-up, untimed
     result = ModeResult(mode, knobs.max_depth if knobs is not None else None)
@@ -238,17 +286,19 @@ def run_engine_mode(
     return result
 
 
-def run_hf_mode(pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings) -> ModeResult:
+def run_hf_mode(
+    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings, name: str = HF_ASSISTED
+) -> ModeResult:
     run_hf_assisted(pair, prompts[0], 2)  # warm-up, untimed
-    total = ModeResult(HF_ASSISTED, None, drafted=None, accepted=None)
+    total = ModeResult(name, None, drafted=None, accepted=None)
     for _ in range(settings.repeats):
         for prompt in prompts:
-            one = run_hf_assisted(pair, prompt, settings.max_new_tokens)
+            one = run_hf_assisted(pair, prompt, settings.max_new_tokens, name)
             total.tokens += one.tokens
             total.seconds += one.seconds
             total.target_passes += one.target_passes
             total.outputs += one.outputs
-    log.info("%s: %.2f tokens/s", HF_ASSISTED, total.tokens_per_second)
+    log.info("%s: %.2f tokens/s", name, total.tokens_per_second)
     return total
 
 
@@ -257,39 +307,72 @@ def linears_patched(model: torch.nn.Module) -> bool:
     return any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
-    """Run every mode on the same prompts; identity is checked against target-only.
-
-    HF assisted generation runs first: building an engine switches the models'
-    CPU linears to oneDNN in place, and the HF baseline should use stock kernels.
-    """
-    tokenizer = pair.target.tokenizer
-    prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
-    machine = machine_info(pair)
-    hf = None
+def _one_round(
+    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings
+) -> list[ModeResult]:
+    """Every mode once, in an order that keeps the kernels honest (see the module doc)."""
+    on_cpu = pair.target.device.type == "cpu"
+    modes: list[ModeResult] = []
     if settings.hf_assisted:
-        machine["hf_assisted_kernels"] = (
-            "patched" if linears_patched(pair.target.model) else "stock transformers"
-        )
-        hf = run_hf_mode(pair, prompts, settings)
-    modes = [run_engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
+        for loaded in (pair.target, pair.draft):
+            if loaded is not None:
+                restore_default_linears(loaded.model)
+        modes.append(run_hf_mode(pair, prompts, settings, HF_ASSISTED))
+    modes.append(run_engine_mode(pair, TARGET_ONLY, None, prompts, settings))
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
         modes.append(run_engine_mode(pair, f"specpair k={depth}", knobs, prompts, settings))
     if settings.adaptive:
-        cap = max(settings.depths)
-        knobs = SpeculationKnobs(max_depth=cap, adaptive=True)
-        modes.append(run_engine_mode(pair, f"specpair adaptive<={cap}", knobs, prompts, settings))
-    if hf is not None:
-        modes.append(hf)
-    reference = modes[0].outputs
-    for mode in modes[1:]:
-        mode.identical = mode.outputs == reference
-    return BenchResult(settings, modes, machine)
+        default = SpeculationKnobs()
+        name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})"
+        modes.append(run_engine_mode(pair, name, default, prompts, settings))
+    if settings.hf_assisted and on_cpu and linears_patched(pair.target.model):
+        modes.append(run_hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
+    return modes
+
+
+def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
+    """Run every mode on the same prompts, ``settings.runs`` rounds; identity vs target-only."""
+    tokenizer = pair.target.tokenizer
+    prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
+    machine = machine_info(pair)
+    merged: dict[str, ModeResult] = {}
+    for _ in range(settings.runs):
+        round_modes = _one_round(pair, prompts, settings)
+        reference = next(m.outputs for m in round_modes if m.mode == TARGET_ONLY)
+        for mode in round_modes:
+            total = merged.setdefault(
+                mode.mode,
+                ModeResult(mode.mode, mode.depth, drafted=mode.drafted, accepted=mode.accepted),
+            )
+            if total.drafted is not None and not total.run_rates:
+                total.drafted = total.accepted = 0
+            total.absorb(mode)
+            total.identical = total.identical and (
+                mode.mode == TARGET_ONLY or mode.outputs == reference
+            )
+            if not total.outputs:
+                total.outputs = mode.outputs
+    if settings.hf_assisted:
+        machine["hf_assisted_kernels"] = "stock transformers; onednn: the engine's kernels"
+    order = [TARGET_ONLY]
+    names = [n for n in merged if n not in (TARGET_ONLY, HF_ASSISTED, HF_ASSISTED_ONEDNN)]
+    order += names + [n for n in (HF_ASSISTED, HF_ASSISTED_ONEDNN) if n in merged]
+    return BenchResult(settings, [merged[n] for n in order], machine)
 
 
 def _fmt(value: float | None, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
+
+
+def _ratio_cell(result: BenchResult, mode: ModeResult, baseline: str) -> str:
+    median = result.ratio(mode, baseline)
+    spread = result.spread(mode, baseline)
+    if median is None or spread is None:
+        return "n/a"
+    if spread[0] == spread[1]:
+        return f"{median:.2f}x"
+    return f"{median:.2f}x [{spread[0]:.2f}-{spread[1]:.2f}]"
 
 
 def format_table(result: BenchResult) -> str:
@@ -302,6 +385,7 @@ def format_table(result: BenchResult) -> str:
         "tok/pass",
         "vs target",
         "vs HF",
+        "vs HF onednn",
         "identical",
     )
     rows = [header]
@@ -313,8 +397,9 @@ def format_table(result: BenchResult) -> str:
                 f"{m.tokens_per_second:.2f}",
                 _fmt(m.acceptance_rate, ".2f"),
                 f"{m.tokens_per_target_pass:.2f}",
-                _fmt(result.ratio(m, TARGET_ONLY), ".2f") + "x",
-                _fmt(result.ratio(m, HF_ASSISTED), ".2f") + "x",
+                _ratio_cell(result, m, TARGET_ONLY),
+                _ratio_cell(result, m, HF_ASSISTED),
+                _ratio_cell(result, m, HF_ASSISTED_ONEDNN),
                 "yes" if m.identical else "NO",
             )
         )
@@ -324,7 +409,8 @@ def format_table(result: BenchResult) -> str:
     s = result.settings
     lines[:0] = [
         f"{len(s.prompt_texts)} prompts x {s.repeats} repeats, {s.max_new_tokens} new tokens, "
-        f"greedy, chat template {'on' if s.chat else 'off'}",
+        f"greedy, chat template {'on' if s.chat else 'off'}; {s.runs} rounds: "
+        "tok/s and ratios are medians over rounds [min-max of the per-round ratios]",
         ", ".join(f"{key}: {value}" for key, value in result.machine.items()),
         "",
     ]
@@ -344,7 +430,7 @@ def plot(result: BenchResult, path: Path) -> None:
     speed_axis.plot(depths, [m.tokens_per_second for m in fixed], "o-", label="specpair tokens/s")
     styles = {TARGET_ONLY: "--", HF_ASSISTED: ":"}
     for m in result.modes:
-        if m.mode in styles or m.mode.startswith("specpair adaptive"):
+        if m.mode in styles or m.mode.startswith(DEFAULT_MODE):
             speed_axis.axhline(
                 m.tokens_per_second, linestyle=styles.get(m.mode, "-."), color="gray", alpha=0.8
             )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from specpair_runtime.config import ConfigError, ModelSpec, SpeculationKnobs
+from specpair_runtime.termination import write_termination_message
 
 if TYPE_CHECKING:
     from specpair_runtime.engine.pair import LoadedPair
@@ -224,6 +225,7 @@ def write_json(document: object) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from specpair_runtime.engine.api import SamplingParams
     from specpair_runtime.engine.oneshot import run_request
+    from specpair_runtime.engine.options import EngineOptions
     from specpair_runtime.engine.prompting import encode_prompt
 
     if args.draft is None and not args.no_speculation:
@@ -240,7 +242,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    engine = pair.engine(speculate=not args.no_speculation)
+    # KV storage for this one request only (the default sizes a serving batch).
+    options = EngineOptions(max_slots=1, max_length=len(prompt_ids) + args.max_new_tokens)
+    engine = pair.engine(speculate=not args.no_speculation, options=options)
     on_text = None if args.json else _stream_stdout
     completion = run_request(engine, prompt_ids, params, on_text=on_text)
     stats = completion.stats
@@ -287,6 +291,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         from specpair_runtime.engine.golden_check import run_golden
 
         golden_report = run_golden(golden, pair)
+        report["near_tie_margin"] = golden_report.near_tie_margin
         report["prompts"] = [result.to_dict() for result in golden_report.results]
         passed = passed and golden_report.passed
     report["passed"] = passed
@@ -308,6 +313,8 @@ def print_check(report: dict[str, Any]) -> None:
         print(f"golden {result['name']}: {status} ({len(result['token_ids'])} tokens)")
         for failure in result["failures"]:
             print(f"  {failure}")
+        for note in result.get("notes", []):
+            print(f"  note: {note}")
     print("PASSED" if report["passed"] else "FAILED")
 
 
@@ -328,6 +335,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         adaptive=not args.no_adaptive,
         hf_assisted=not args.no_hf_assisted,
         repeats=args.repeats,
+        runs=args.runs,
     )
     result = run_bench(pair, settings)
     if args.json:
@@ -399,9 +407,20 @@ def build_parser() -> OneLineParser:
         "--depths", type=depth_list, default=[4], metavar="K,K,...",
         help="fixed depths to sweep, e.g. 1,2,4",
     )  # fmt: skip
-    bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-depth run")
+    bench.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="skip the run with the default knobs (adaptive depth)",
+    )
     bench.add_argument("--no-hf-assisted", action="store_true", help="skip HF assisted generation")
     bench.add_argument("--repeats", type=positive_int, default=1, metavar="N")
+    bench.add_argument(
+        "--runs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="rounds of all modes; ratios are medians over rounds with their spread",
+    )
     bench.add_argument("--plot", type=output_png, metavar="FILE.png", help="tokens/s per depth")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=cmd_bench, depth=4, fixed_depth=False)
@@ -444,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_FAILED
     except Exception as error:
+        if args.command == "serve":  # in a pod: the reason shows in the pod's status
+            write_termination_message(f"{prog}: {type(error).__name__}: {error}")
         if isinstance(error, _usage_errors()):
             print(f"{prog}: error: {error}", file=sys.stderr)
             return EXIT_USAGE

@@ -115,7 +115,25 @@ class ServingOptions(ContractModel):
     max_batch_size: int = Field(default=8, ge=1, description="Max running requests.")
     max_model_length: int = Field(default=2048, ge=16, description="Prompt + output tokens.")
     max_waiting_requests: int = Field(default=64, ge=0, description="Queue bound; then 429.")
-    api_key_file: str | None = Field(default=None, description="File holding the Bearer key.")
+    max_step_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Tokens per engine step over all running requests; a long prompt enters in "
+            "chunks that fit beside the running decodes. Default: 32 on the CPU, 2048 on CUDA."
+        ),
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="On CUDA, capture decode/verify steps with CUDA graphs (torch.compile).",
+    )
+    api_key_file: str | None = Field(
+        default=None,
+        description=(
+            "File holding the Bearer key, or a YAML list of keys with a name and a "
+            "priority class each; re-read when it changes."
+        ),
+    )
     golden_prompts_file: str | None = Field(
         default=None, description="Golden-prompt file checked before /readyz turns ready."
     )
@@ -123,6 +141,31 @@ class ServingOptions(ContractModel):
     drain_timeout_seconds: float = Field(
         default=30.0, gt=0, description="SIGTERM: how long in-flight requests may finish."
     )
+    max_request_body_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description=(
+            "Largest request body; larger ones get 413 before they are read. "
+            "Default: derived from maxModelLength (see request_body_limit)."
+        ),
+    )
+    header_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="A request's headers must arrive within this time (408)."
+    )
+    body_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="A request's body must arrive within this time (408)."
+    )
+
+    @property
+    def request_body_limit(self) -> int:
+        """The body limit in bytes: the configured one, else one that fits any usable prompt.
+
+        A token is rarely longer than 16 characters and a character takes at most
+        6 bytes in JSON (a ``\\uXXXX`` escape); 64 KiB covers the other fields.
+        """
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        return 64 * 1024 + self.max_model_length * 16 * 6
 
 
 class RuntimeConfig(ContractModel):

@@ -1,7 +1,9 @@
 """Golden-prompt files: schema and expectation checks.
 
 A contract module (torch-free): the operator renders golden prompts into a
-ConfigMap, the runtime decodes them and checks the outputs here.
+ConfigMap, the runtime decodes them and checks the outputs here. The file's
+``nearTieMargin`` says how far speculative and target-only greedy output may
+differ by floating-point numerics (see ``engine/golden_check.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ class GoldenPrompt(ContractModel):
 
 class GoldenFile(ContractModel):
     prompts: list[GoldenPrompt] = Field(min_length=1, description="The golden prompts.")
+    near_tie_margin: float | None = Field(
+        default=None,
+        ge=0.0,
+        description=(
+            "Logits. Where speculative and target-only greedy output first differ, the "
+            "difference passes only if the target's logits for the two tokens are within "
+            "this margin of its top logit (a near-tie that floating-point numerics may "
+            "flip). Unset: 0 on the CPU (exact identity), 0.5 on CUDA."
+        ),
+    )
 
 
 def check_expectation(expectation: Expectation, text: str) -> list[str]:

@@ -292,13 +292,17 @@ class Env:
         found = self.get(f"/api/v1/namespaces/{self.namespace}/events").get("items") or []
         return [e for e in found if e.get("reason") == reason]
 
-    def settled_on(self, revision: str) -> bool:
-        """The pair runs ``revision`` alone, rolled out and Ready."""
+    def settled_on(self, revision: str, ready: str = "True") -> bool:
+        """The pair runs ``revision`` alone, rolled out; Ready as given.
+
+        Ready means serving at the spec's revision: after a rollback the pair
+        serves the last good revision, not the spec's, so Ready is "False".
+        """
         status = self.pair().get("status") or {}
         pods = self.pods()
         return (
             status.get("currentRevision") == revision
-            and self.condition("Ready").get("status") == "True"
+            and self.condition("Ready").get("status") == ready
             and self.condition("Progressing").get("status") == "False"
             and len(pods) == 1
             and pods[0]["metadata"]["labels"]["specpair.dev/revision"] == revision
@@ -447,7 +451,11 @@ def test_3_bad_pair_is_rolled_back_with_the_failing_check_named(env: Env) -> Non
                 "the rollback",
                 timeout=120,
             )
-            wait_for(lambda: env.settled_on(good), "the good revision alone again", timeout=60)
+            wait_for(
+                lambda: env.settled_on(good, ready="False"),
+                "the good revision alone again",
+                timeout=60,
+            )
         assert not load.failures, load.failures
         assert degraded["status"] == "True"
         # The runtime's alignment check, as its /readyz said it.
@@ -462,6 +470,10 @@ def test_3_bad_pair_is_rolled_back_with_the_failing_check_named(env: Env) -> Non
         assert pair["metadata"]["annotations"]["specpair.dev/failed-revision"] == bad
         time.sleep(3)  # no retry of the failed revision while its spec stays
         assert env.template_revision() == good
+        # The status says which version serves: not the spec's, so not Ready.
+        assert env.condition("Ready")["reason"] == "RolledBack"
+        assert env.pair()["status"]["servingVersion"] == "v2"
+        assert env.pair()["status"]["desiredVersion"] == "v3-bad"
         # Back to the good spec: the same revision, nothing rolls, Degraded clears.
         env.patch_spec(pair_body("v2", target, env.models.second[1], env.port)["spec"])
         wait_for(

@@ -230,7 +230,7 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
     run = cli(
         "bench", "--target", str(target_dir), "--draft", str(draft_dir), "--no-chat",
         "--prompt", PROMPT, "--prompt", "Can I change the delivery address?",
-        "--max-new-tokens", "6", "--depths", "1,2", "--plot", str(plot), "--json",
+        "--max-new-tokens", "6", "--depths", "1,2", "--runs", "2", "--plot", str(plot), "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     report = parse_one_json(run.stdout)
@@ -239,16 +239,19 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
         "target-only",
         "specpair k=1",
         "specpair k=2",
-        "specpair adaptive<=2",
+        "specpair default (adaptive<=4)",
         "hf-assisted",
+        "hf-assisted (onednn)",
     ]
     for row in modes.values():
         assert row["identical_to_target_only"] is True, row["mode"]
         assert row["tokens"] > 0 and row["tokens_per_second"] > 0
+        assert len(row["tokens_per_second_per_round"]) == 2  # one rate per round
+        assert len(row["vs_target_only_per_round"]) == 2
     assert modes["target-only"]["vs_target_only"] == pytest.approx(1.0)
     assert modes["specpair k=2"]["drafted_tokens"] > 0
     assert modes["hf-assisted"]["acceptance_rate"] is None
-    assert report["machine"]["hf_assisted_kernels"] == "stock transformers"
+    assert "stock transformers" in str(report["machine"]["hf_assisted_kernels"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

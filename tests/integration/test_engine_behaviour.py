@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
+from specpair_runtime.engine.options import MIN_PREFILL_CHUNK, EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 
 NEW = 24
@@ -146,7 +148,7 @@ def test_live_knobs_and_memory_pressure_pause_keep_outputs(
         engine.add_request(str(i), prompt, GREEDY)
     _drain(engine, outputs)
     engine.set_speculation_paused("memory_pressure")
-    assert not engine.speculation_active and engine._draft_cache is None
+    assert not engine.speculation_active and not engine.draft_storage_allocated
     events = _drain(engine, outputs)
     assert all(e.drafted == 0 for e in events)
     engine.add_request("late", prompts[0], GREEDY)  # joins while the draft cache is gone
@@ -247,3 +249,75 @@ def test_vocab_padding_differs_between_target_and_draft(prompts: list[list[int]]
     results = generate(engine, prompts, GREEDY)
     assert [r.token_ids for r in results] == [b.token_ids for b in baseline]
     assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_chunked_prefill_under_a_tiny_budget_keeps_outputs(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    long_prompt = prompts[0] * 6  # several chunks at a budget of 3 tokens per step
+    (reference,) = generate(_engine(pair, draft=False), [long_prompt], GREEDY)
+    tok = pair.tokenizer
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "target"),
+        as_loaded(pair.draft, tok, "draft"),
+        FIXED,
+        options=EngineOptions(max_slots=4, max_length=256, max_step_tokens=3),
+    )
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], GREEDY)
+    while not outputs.get("a"):
+        _drain(engine, outputs)
+    engine.add_request("long", long_prompt, GREEDY)  # joins while "a" decodes
+    steps_to_first = 0
+    a_done = False
+    while not outputs.get("long"):
+        events = _drain(engine, outputs)
+        steps_to_first += 1
+        # The decoding stream gets tokens in every step while the prompt is chunked.
+        assert a_done or any(e.request_id == "a" and e.token_ids for e in events)
+        a_done = a_done or any(e.request_id == "a" and e.finished for e in events)
+    while engine.has_unfinished():
+        _drain(engine, outputs)
+    assert steps_to_first >= len(long_prompt) // MIN_PREFILL_CHUNK  # really chunked
+    assert outputs["a"] == alone[1]
+    assert outputs["long"] == reference.token_ids
+
+
+def test_temperatures_below_the_floor_decode_greedily(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    tiny = [SamplingParams(max_new_tokens=NEW, temperature=t) for t in (1e-38, 1e-30, 1e-6)]
+    results = generate(_engine(pair), prompts[:3], tiny)
+    assert [r.token_ids for r in results] == alone[:3]
+
+
+def test_a_row_with_non_finite_probabilities_fails_alone(
+    prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    """A poisoned embedding row makes one request's logits NaN; its batch-mates go on."""
+    broken = build_pair("llama", seed=0)
+    poison = prompts[3][0]
+    assert all(poison not in p for p in prompts[:3])
+    embeddings = broken.target.get_input_embeddings()
+    assert isinstance(embeddings, torch.nn.Embedding)
+    with torch.no_grad():
+        embeddings.weight[poison] = float("nan")
+    for params in (GREEDY, SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=1)):
+        engine = _engine(broken)
+        results = generate(engine, prompts, [GREEDY, GREEDY, GREEDY, params])
+        assert [r.token_ids for r in results[:3]] == alone[:3]
+        assert results[3].finish_reason == "error" and results[3].token_ids == []
+        assert engine.running == 0
+
+
+def test_requests_longer_than_the_storage_are_refused(pair: TinyPair) -> None:
+    tok = pair.tokenizer
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "t"), None, FIXED, options=EngineOptions(max_length=16)
+    )
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request("x", [5] * 10, SamplingParams(max_new_tokens=7))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("x", [5], SamplingParams(temperature=float("nan")))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("x", [5], SamplingParams(temperature=float("inf")))

@@ -8,144 +8,46 @@ Pending; the Deployment's status still comes from the real controllers.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
-import yaml
-from tools.control_plane import ControlPlane, free_port
+from tools.control_plane import ControlPlane
 
 from tests.support.k8s_fixtures import Kubectl
-from tests.support.polling import PAIRS, get_or_none, wait_for
+from tests.support.operator_process import (
+    ROOT,
+    Operator,
+    api,
+    apply_crds,
+    condition,
+    create_pair,
+    create_ready_node,
+    create_sample_secrets,
+    gpu_node,
+    install_crds,
+    items,
+    pair_manifest,
+    pair_path,
+    play_kubelet_ready,
+    running_operator,
+    scrape,
+    settled,
+)
+from tests.support.operator_process import kubectl_patch as control_plane_patch
+from tests.support.polling import get_or_none, wait_for
 
 pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = yaml.safe_load((ROOT / "crds" / "samples" / "gpu-pair.yaml").read_text())
-
-
-def api(plane: ControlPlane, method: str, path: str, body: object = None) -> dict[str, Any]:
-    return cast(dict[str, Any], plane.api(method, path, body))
-
-
-def items(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
-    found = api(plane, "GET", path).get("items")
-    return list(found) if isinstance(found, list) else []
-
-
-def condition(pair: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    for cond in ((pair or {}).get("status") or {}).get("conditions") or []:
-        if cond["type"] == type_:
-            return dict(cond)
-    return None
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text: str = reply.read().decode()
-        return text
-
-
-class Operator:
-    """`python -m specpair_operator run` as a child process; always stopped."""
-
-    def __init__(
-        self, kubeconfig: Path, log: Path, namespaces: list[str], extra: Sequence[str] = ()
-    ) -> None:
-        self.kubeconfig, self.log, self.namespaces = kubeconfig, log, namespaces
-        self.extra = list(extra)
-        self.process: subprocess.Popen[bytes] | None = None
-        self.metrics_port = free_port()
-
-    def start(self) -> Operator:
-        args = [sys.executable, "-m", "specpair_operator", "run", "--resync-seconds", "1"]
-        args += ["--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
-        for ns in self.namespaces:
-            args += ["--namespace", ns]
-        args += self.extra
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(sig)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-@contextlib.contextmanager
-def running_operator(kubeconfig: Path, tmp_path: Path, namespaces: list[str]) -> Iterator[Operator]:
-    operator = Operator(kubeconfig, tmp_path / f"operator-{uuid.uuid4().hex[:6]}.log", namespaces)
-    try:
-        yield operator.start()
-    finally:
-        operator.stop()
-
-
-def pair_manifest(name: str, **spec_changes: Any) -> dict[str, Any]:
-    body: dict[str, Any] = json.loads(json.dumps(SAMPLE))
-    body["metadata"] = {"name": name}
-    body["spec"].update(spec_changes)
-    return body
-
-
-def create_pair(plane: ControlPlane, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-    return api(plane, "POST", PAIRS.format(ns=ns), body)
-
-
-def pair_path(ns: str, name: str) -> str:
-    return PAIRS.format(ns=ns) + f"/{name}"
-
-
-def settled(plane: ControlPlane, ns: str, name: str) -> dict[str, Any] | None:
-    """The pair once its status describes its current generation."""
-    pair = get_or_none(plane, pair_path(ns, name))
-    if pair is None:
-        return None
-    status = pair.get("status") or {}
-    if status.get("observedGeneration") != pair["metadata"]["generation"]:
-        return None
-    return pair if condition(pair, "HeadroomSufficient") else None
-
-
-def apply_crds(kubectl: Kubectl) -> None:
-    # kubectl checks a manifest against the *server's* OpenAPI when the server
-    # cannot validate fields itself (< 1.25). v1.20's JSONSchemaProps predates
-    # x-kubernetes-validations, so kubectl would refuse the CEL rules that the
-    # apiserver itself accepts (and drops). --validate=warn validates on the
-    # server where it can (>= 1.25: the supported clusters) and skips it here.
-    kubectl("apply", "--validate=warn", "-f", str(ROOT / "crds"))
 
 
 @pytest.fixture(scope="module")
 def crd_installed(control_plane: ControlPlane, kubectl: Kubectl) -> None:
     """`kubectl apply -f crds/`, as a user installs it; waits until Established."""
-    apply_crds(kubectl)
-    kubectl(
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/speculativepairs.specpair.dev",
-    )
+    install_crds(kubectl)
 
 
 def test_crd_installs_and_rejects_schema_invalid_objects(
@@ -175,18 +77,6 @@ def test_crd_installs_and_rejects_schema_invalid_objects(
     assert "Max tokens drafted per step." in explained
 
 
-def control_plane_patch(kubectl: Kubectl, ns: str, name: str, patch: dict[str, Any]) -> None:
-    kubectl("patch", "spair", "-n", ns, name, "--type=merge", "-p", json.dumps(patch))
-
-
-def gpu_node(name: str, mib: int, pool: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"nvidia.com/gpu.memory": str(mib), "pool": pool}},
-    }
-
-
 def test_undersized_gpus_from_node_labels(
     control_plane: ControlPlane,
     crd_installed: None,
@@ -205,7 +95,7 @@ def test_undersized_gpus_from_node_labels(
     tolerate_all = [{"operator": "Exists"}]
     try:
         for node in nodes:
-            api(control_plane, "POST", "/api/v1/nodes", node)
+            create_ready_node(control_plane, node)
         with running_operator(kubeconfig, tmp_path, [ns]):
             create_pair(
                 control_plane,
@@ -347,8 +237,13 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
 
     assert can("create", "deployments.apps", "-n", ns)
     assert can("watch", "speculativepairs.specpair.dev", "--all-namespaces")
+    # Secrets: get by name only (does a named Secret exist?), never list or watch.
+    assert can("get", "secrets", "-n", ns)
+    assert can("update", "leases.coordination.k8s.io", "-n", "specpair-system")
+    assert not can("update", "leases.coordination.k8s.io", "-n", "kube-system")
     for denied in (
-        ("get", "secrets"),
+        ("list", "secrets"),
+        ("watch", "secrets"),
         ("create", "pods"),
         ("delete", "deployments.apps"),
         ("delete", "services"),
@@ -357,8 +252,9 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
     ):
         assert not can(*denied, "-n", ns), f"the role allows {' '.join(denied)}"
 
-    # The operator watches all namespaces, as it does in a cluster.
-    operator = Operator(operator_kubeconfig, tmp_path / "operator-rbac.log", [])
+    # The operator watches all namespaces and elects itself leader, as in a cluster.
+    election = ["--leader-election", "--lease-namespace", "specpair-system"]
+    operator = Operator(operator_kubeconfig, tmp_path / "operator-rbac.log", [], election)
     try:
         operator.start()
         create_pair(
@@ -403,6 +299,7 @@ def test_samples_reconcile(
     tmp_path: Path,
 ) -> None:
     ns = k8s_namespace
+    create_sample_secrets(control_plane, ns)  # the GPU sample names two
     with running_operator(kubeconfig, tmp_path, [ns]):
         kubectl("apply", "-n", ns, "-f", str(ROOT / "crds" / "samples"))
         cpu = wait_for(lambda: settled(control_plane, ns, "demo-cpu"), "the CPU sample")
@@ -445,23 +342,6 @@ def test_rules_the_old_apiserver_skips_are_reported(
         assert "spec: draft.source must differ from target.source" in pair["message"]
         time.sleep(1.5)  # resync passes create nothing either
         assert get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/same") is None
-
-
-def play_kubelet_ready(kubectl: Kubectl, ns: str, selector: str) -> int:
-    """The fake kubelet: mark the selected pods Running and Ready. Returns how many."""
-    pods = json.loads(kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json").stdout)
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    ready = [
-        {"type": kind, "status": "True", "lastTransitionTime": now}
-        for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
-    ]
-    for pod in pods["items"]:
-        status = {"status": {"phase": "Running", "conditions": ready, "startTime": now}}
-        kubectl(
-            "patch", "pod", "-n", ns, pod["metadata"]["name"], "--subresource=status",
-            "--type=merge", "-p", json.dumps(status),
-        )  # fmt: skip
-    return len(pods["items"])
 
 
 def test_failed_revision_rolls_back_to_the_last_good_one(
@@ -525,9 +405,16 @@ def test_failed_revision_rolls_back_to_the_last_good_one(
         assert history[good]["outcome"] == "Current" and history[good]["current"]
         assert history[bad]["outcome"] == "RolledBack" and not history[bad]["current"]
         assert history[bad]["version"] == "2024-09-bad"
-        # maxUnavailable 0: the good pod served throughout.
+        # maxUnavailable 0: the good pod served throughout. Ready means serving at the
+        # spec's revision, so it is False, and the status says which version serves.
         ready = condition(pair, "Ready")
-        assert ready is not None and ready["status"] == "True"
+        assert ready is not None and (ready["status"], ready["reason"]) == ("False", "RolledBack")
+        assert pair["status"]["servingVersion"] == "2024-07-a"
+        assert pair["status"]["desiredVersion"] == "2024-09-bad"
+        columns = kubectl("get", "spair", "-n", ns, "roll").stdout.split("\n")
+        header, row = columns[0].split(), columns[1].split()
+        assert dict(zip(header, row, strict=False))["SERVING"] == "2024-07-a"
+        assert dict(zip(header, row, strict=False))["VERSION"] == "2024-09-bad"
         events = items(control_plane, f"/api/v1/namespaces/{ns}/events")
         assert any(e["reason"] == "RolledBack" for e in events)
         time.sleep(2)  # resync passes do not retry the failed revision
@@ -536,80 +423,6 @@ def test_failed_revision_rolls_back_to_the_last_good_one(
         # A new spec is a new revision: the hold is over.
         control_plane_patch(kubectl, ns, "roll", {"spec": {"version": "2024-09-fixed"}})
         wait_for(lambda: template_revision() not in (good, bad), "the next revision")
-
-
-def test_peering_keeps_one_replica_active(
-    rbac_control_plane: ControlPlane, control_plane_binaries: Any, tmp_path: Path
-) -> None:
-    """Two replicas under the operator's roles: the lower priority one waits, then takes over."""
-    plane = rbac_control_plane
-    admin = Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)
-    apply_crds(admin)
-    plane.ensure_namespace("specpair-system")
-    admin("apply", "-f", str(ROOT / "deploy" / "rbac"))
-    admin("apply", "-f", str(ROOT / "deploy" / "peering" / "kopf_peering_crd.yaml"))
-    for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
-        admin("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd}")
-    admin("apply", "-f", str(ROOT / "deploy" / "peering"))
-    sa_kubeconfig = plane.service_account_kubeconfig(
-        "specpair-system", "specpair-operator", create=False
-    )
-    ns = f"peer-{uuid.uuid4().hex[:8]}"
-    plane.ensure_namespace(ns)
-    peering = "/apis/kopf.dev/v1/clusterkopfpeerings/specpair-operator"
-
-    def replica(name: str, priority: int) -> Operator:
-        extra = ["--peering", "specpair-operator", "--priority", str(priority)]
-        return Operator(sa_kubeconfig, tmp_path / f"{name}.log", [], extra)
-
-    leader, standby = replica("leader", 10), replica("standby", 0)
-    try:
-        # The standby starts once the leader is in the peering object, so that its
-        # very first look at the peers already shows the leader (no window in
-        # which it could act before pausing).
-        leader.start()
-        wait_for(lambda: api(plane, "GET", peering).get("status"), "the leader's entry")
-        standby.start()
-        wait_for(
-            lambda: len(api(plane, "GET", peering).get("status") or {}) == 2,
-            "both replicas in the peering object",
-        )
-
-        def standby_paused() -> bool:
-            # kopf starts paused and logs only transitions: "Resuming" when it finds
-            # no outranking peer, "Pausing" when one appears.
-            lines = [
-                line
-                for line in standby.output().splitlines()
-                if "Pausing operations" in line or "Resuming operations" in line
-            ]
-            return not lines or "Pausing operations" in lines[-1]
-
-        wait_for(standby_paused, "the standby to pause")
-        create_pair(plane, ns, pair_manifest("ha", resources={"gpus": 1, "gpuMemory": "80Gi"}))
-        wait_for(lambda: settled(plane, ns, "ha"), "the leader to reconcile")
-        time.sleep(2)  # two resync rounds
-        assert f"{ns}/ha" in leader.output()
-        assert f"{ns}/ha" not in standby.output(), standby.output()[-3000:]
-
-        assert standby_paused()
-        leader.stop()  # a clean stop removes it from the peering object
-        wait_for(lambda: not standby_paused(), "the standby to take over")
-        Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)(
-            "patch", "spair", "-n", ns, "ha", "--type=merge", "-p", '{"spec":{"replicas":1}}'
-        )
-        wait_for(
-            lambda: (
-                (d := get_or_none(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/ha"))
-                and d["spec"]["replicas"] == 1
-            ),
-            "the standby to scale the Deployment",
-        )
-    finally:
-        leader.stop()
-        standby.stop()
-    for log in (leader.output(), standby.output()):
-        assert "Forbidden" not in log, log[-3000:]
 
 
 # Last in the module: the garbage collector notices a new CRD's kind only at its
@@ -709,7 +522,8 @@ def test_pair_lifecycle(
 
         # The operator's own metrics.
         metrics = scrape(operator.metrics_port)
-        assert 'specpair_operator_reconciles_total{result="ok",trigger="create"} 1.0' in metrics
+        # Triggers: the pair's own events, its children's, the start and the resync.
+        assert 'specpair_operator_reconciles_total{result="ok",trigger="resync"}' in metrics
         assert "specpair_operator_reconcile_duration_seconds_count" in metrics
         assert 'specpair_operator_writes_total{kind="Deployment",verb="create"} 1.0' in metrics
 

@@ -7,6 +7,7 @@ import pytest
 from specpair_runtime.config import ModelSpec, SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.oneshot import run_request
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import load_pair
 from specpair_runtime.engine.prompting import encode_prompt
 from tests.support.real_models import require_real_pair
@@ -43,3 +44,44 @@ def test_real_pair_greedy_identity() -> None:
         accepted += fast.stats.accepted_tokens
     # The pair agrees on most greedy tokens (measured ~78%), so some drafts must land.
     assert accepted > 0
+
+
+@pytest.mark.slow
+def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity() -> None:
+    """Unequal prompts, one joining mid-decode, prompts split into chunks, depths 1/4/8."""
+    real = require_real_pair()
+    pair = load_pair(
+        ModelSpec(source=str(real.target_dir)),
+        ModelSpec(source=str(real.draft_dir), quantization="int8-dynamic"),
+        SpeculationKnobs(max_depth=4),
+        "cpu",
+    )
+    tokenizer = pair.target.tokenizer
+    texts = (
+        "Hi!",
+        "Write a Python function that returns the sum of a list.",
+        "Write fib(n) in Python, iteratively, with a docstring, type hints and two doctests.",
+    )
+    prompts = [encode_prompt(tokenizer, text, chat=True) for text in texts]
+    assert len({len(p) for p in prompts}) == len(prompts)  # unequal lengths
+    options = EngineOptions(max_slots=4, max_length=256, max_step_tokens=16)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    solo = [
+        run_request(pair.engine(speculate=False, options=options), p, params).token_ids
+        for p in prompts
+    ]
+    for depth in (1, 4, 8):
+        knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
+        engine = pair.engine(knobs=knobs, options=options)
+        outputs: dict[str, list[int]] = {}
+        engine.add_request("0", prompts[0], params)
+        engine.add_request("1", prompts[1], params)
+        steps = 0
+        while engine.has_unfinished() or "2" not in outputs:
+            if steps == 3:  # joins while the others decode (or still prefill)
+                engine.add_request("2", prompts[2], params)
+                outputs["2"] = []
+            for event in engine.step():
+                outputs.setdefault(event.request_id, []).extend(event.token_ids)
+            steps += 1
+        assert [outputs[str(i)] for i in range(3)] == solo, depth

@@ -40,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer
             "apiKeyFile": str(key_file),
         },
     )
-    with in_process_server(config, api_key=KEY) as running:
+    with in_process_server(config) as running:
         yield running
 
 
@@ -138,6 +138,7 @@ def test_full_queue_gets_429(server: InProcessServer) -> None:
                 refused = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                 body = refused.json()
                 assert body["error"]["type"] == "rate_limit_error"
+                assert refused.headers["Retry-After"] == "1"
                 assert "queue is full" in body["error"]["message"]
                 async for _ in lines:
                     pass

@@ -104,7 +104,9 @@ def test_failing_golden_prompt_keeps_it_unready_with_the_reason(
 
 def test_invalid_golden_file_is_reported(pair: tuple[Path, Path], tmp_path: Path) -> None:
     golden = tmp_path / "golden.yaml"
-    golden.write_text(yaml.safe_dump({"prompts": [{"name": "x", "promt": "typo"}]}))
+    golden.write_text(
+        yaml.safe_dump({"prompts": [{"name": "x", "promt": "typo"}], "nearTieMargin": -1})
+    )
     config = write_config(
         tmp_path / "config.yaml", *pair, serving={"goldenPromptsFile": str(golden)}
     )
@@ -112,6 +114,7 @@ def test_invalid_golden_file_is_reported(pair: tuple[Path, Path], tmp_path: Path
         body = wait_until_ready(server.base_url)
         assert body["phase"] == "failed"
         assert "golden prompts file invalid" in body["reason"] and "promt" in body["reason"]
+        assert "nearTieMargin: Input should be greater than or equal to 0" in body["reason"]
 
 
 def test_misaligned_draft_keeps_it_unready(tmp_path: Path) -> None:

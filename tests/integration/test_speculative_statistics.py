@@ -1,10 +1,11 @@
 """End to end: speculative sampling keeps the target's processed distribution.
 
-Many seeded requests decode the same prompt in large batches. The first two
-generated tokens come out of one speculation step of depth 2 (accepted,
-recovered and bonus tokens all occur), and their frequencies are compared with
-the target's processed distribution, computed independently with transformers'
-logits warpers. Chi-square, p > 0.01, fixed seeds.
+Many seeded requests decode the same prompt in large batches. The first
+generated token is sampled at the end of the prompt's prefill; the next ones
+come out of one speculation step of depth 2 (accepted, recovered and bonus
+tokens all occur). The frequencies of the first and second tokens are compared
+with the target's processed distribution, computed independently with
+transformers' logits warpers. Chi-square, p > 0.01, fixed seeds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 
 SAMPLES = 4000
@@ -53,10 +55,10 @@ def _p_value(samples: list[int], probs: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     ("params", "independent_draft"),
     [
-        (SamplingParams(max_new_tokens=3, temperature=1.0), False),
-        (SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9), False),
-        (SamplingParams(max_new_tokens=3, temperature=1.5, top_k=8), False),
-        (SamplingParams(max_new_tokens=3, temperature=1.0), True),  # strongly disagreeing draft
+        (SamplingParams(max_new_tokens=4, temperature=1.0), False),
+        (SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9), False),
+        (SamplingParams(max_new_tokens=4, temperature=1.5, top_k=8), False),
+        (SamplingParams(max_new_tokens=4, temperature=1.0), True),  # strongly disagreeing draft
     ],
     ids=["t1", "t0.7-top_p0.9", "t1.5-top_k8", "disagreeing-draft"],
 )
@@ -70,6 +72,7 @@ def test_first_tokens_follow_the_target_distribution(
         as_loaded(pair.target, tok, "target"),
         as_loaded(pair.draft, tok, "draft"),
         SpeculationKnobs(max_depth=2, min_depth=2, adaptive=False),
+        options=EngineOptions(max_slots=BATCH, max_length=64, max_step_tokens=BATCH * 16),
     )
     torch.manual_seed(1234)
     firsts: list[int] = []

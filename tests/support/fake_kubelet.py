@@ -8,17 +8,22 @@ pod. What it does, every ``poll`` seconds:
 
 - registers a Node and keeps its ``Ready`` heartbeat fresh;
 - binds each unscheduled pod of the namespace (there is no scheduler either);
-- for a bound pod: reads the ConfigMaps its volumes name from the API,
-  writes them under a temp dir (one dir per pod and volume, like the
-  kubelet's volume dirs), and starts the container's command there as a
+- for a bound pod: reads the ConfigMaps and Secrets its volumes name from
+  the API, writes them under a temp dir (one dir per pod and volume, like
+  the kubelet's volume dirs), and starts the container's command there as a
   local process. Paths under a mount are mapped to that dir, and
   ``serving.host`` in the runtime config is set to the pod's own loopback
   address (127.0.0.2, 127.0.0.3, …), which becomes ``status.podIP``;
 - re-reads the ConfigMaps and rewrites changed files (as the kubelet
   refreshes ConfigMap volumes), so live knob changes reach the runtime;
+- gives each container an empty termination-message file, as the kubelet
+  does at ``terminationMessagePath``; the process finds it through
+  ``SPECPAIR_TERMINATION_LOG`` (the stand-in for the kubelet's bind mount at
+  ``/dev/termination-log``);
 - reports ``Running`` and the ``Ready`` condition from the runtime's real
-  ``/readyz``, and a terminated container with the tail of its log as the
-  termination message (``FallbackToLogsOnError``);
+  ``/readyz``, and a terminated container with the message the kubelet
+  would give (`termination_message`): the file's content, or the log tail
+  only under ``FallbackToLogsOnError`` after a failed exit;
 - on deletion: marks the pod unready, waits ``endpoint_delay`` (what
   endpoint propagation gives a real pod), sends SIGTERM (the runtime drains),
   and removes the pod once the process is gone.
@@ -28,6 +33,7 @@ pod. What it does, every ``poll`` seconds:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import itertools
@@ -52,7 +58,25 @@ from tools.control_plane import ControlPlane
 log = logging.getLogger("fake-kubelet")
 
 NODE = "specpair-fake-node"
-TAIL_LINES = 8
+# The kubelet's limits (pkg/kubelet/container): the file is read up to 4 KiB; the
+# log fallback takes the last 80 lines, at most 2 KiB.
+MESSAGE_FILE_BYTES = 4096
+FALLBACK_LOG_LINES = 80
+FALLBACK_LOG_BYTES = 2048
+TERMINATION_LOG_ENV = "SPECPAIR_TERMINATION_LOG"
+
+
+def termination_message(file_text: str, policy: str, exit_code: int, log_text: str) -> str:
+    """The message the kubelet reports for a container that exited.
+
+    The file's content when there is any. Only when it is empty, the policy
+    is ``FallbackToLogsOnError`` and the exit failed, the tail of the log.
+    """
+    message = file_text.encode()[:MESSAGE_FILE_BYTES].decode(errors="ignore")
+    if message or policy != "FallbackToLogsOnError" or exit_code == 0:
+        return message
+    tail = "".join(log_text.splitlines(keepends=True)[-FALLBACK_LOG_LINES:])
+    return tail.encode()[-FALLBACK_LOG_BYTES:].decode(errors="ignore")
 
 
 def _now() -> str:
@@ -71,6 +95,8 @@ class RunningPod:
     mounts: dict[str, Path]  # mountPath → local dir
     config_path: Path | None
     log_path: Path
+    termination_path: Path
+    termination_policy: str
     rendered: dict[Path, str] = field(default_factory=dict)
     started: subprocess.Popen[bytes] | None = None
     ready: bool | None = None
@@ -268,20 +294,37 @@ class FakeKubelet:
         containers: list[dict[str, Any]] = pod["spec"]["containers"]
         return containers[0]
 
+    def _volume_data(self, volume: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """(volume source, {key: content}) of a ConfigMap or Secret volume; None otherwise."""
+        if volume.get("configMap") is not None:
+            source = volume["configMap"]
+            path = f"/api/v1/namespaces/{self.namespace}/configmaps/{source['name']}"
+        elif volume.get("secret") is not None:
+            source = volume["secret"]
+            path = f"/api/v1/namespaces/{self.namespace}/secrets/{source['secretName']}"
+        else:
+            return None
+        try:
+            found = self._api("GET", path)
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return None  # as the kubelet: the pod waits for it
+            raise
+        if volume.get("secret") is not None:
+            decoded = {
+                k: base64.b64decode(v).decode() for k, v in (found.get("data") or {}).items()
+            }
+            return source, decoded
+        return source, dict(found.get("data") or {})
+
     def _volume_files(self, pod: dict[str, Any]) -> dict[str, dict[str, str]]:
-        """Volume name → {relative file path: content} for the ConfigMap volumes."""
+        """Volume name → {relative file path: content} for the ConfigMap and Secret volumes."""
         files: dict[str, dict[str, str]] = {}
         for volume in pod["spec"].get("volumes") or []:
-            source = volume.get("configMap")
-            if source is None:
+            found = self._volume_data(volume)
+            if found is None:
                 continue
-            path = f"/api/v1/namespaces/{self.namespace}/configmaps/{source['name']}"
-            try:
-                data = self._api("GET", path).get("data") or {}
-            except urllib.error.HTTPError as error:
-                if error.code == 404:
-                    continue  # as the kubelet: the pod waits for it
-                raise
+            source, data = found
             items = source.get("items")
             if items:
                 files[volume["name"]] = {
@@ -352,7 +395,10 @@ class FakeKubelet:
         if command[:1] == ["specpair-runtime"]:
             # The console script of this venv, run through its interpreter.
             command = [sys.executable, "-m", "specpair_runtime", *command[1:]]
-        env = {**os.environ, **self.env}
+        # The kubelet's empty per-container file, bind-mounted at terminationMessagePath.
+        termination_path = root / "termination-log"
+        termination_path.write_text("")
+        env = {**os.environ, **self.env, TERMINATION_LOG_ENV: str(termination_path)}
         for item in container.get("env") or []:
             if "value" in item:
                 env[item["name"]] = self._map(mounts, str(item["value"]))
@@ -366,6 +412,8 @@ class FakeKubelet:
             mounts=mounts,
             config_path=config_path,
             log_path=log_path,
+            termination_path=termination_path,
+            termination_policy=container.get("terminationMessagePolicy", "File"),
         )
         files = self._volume_files(pod)
         self._write_volumes(pod, running, files)
@@ -411,11 +459,22 @@ class FakeKubelet:
             if running.terminated:
                 return
             running.terminated = True
-            tail = "\n".join(running.log().strip().splitlines()[-TAIL_LINES:])
+            message = termination_message(
+                running.termination_path.read_text(errors="replace"),
+                running.termination_policy,
+                code,
+                running.log(),
+            )
 
             def terminated(pod: dict[str, Any], status: dict[str, Any]) -> None:
                 container = self._container(pod)
-                state = {"terminated": {"exitCode": code, "reason": "Error", "message": tail}}
+                done: dict[str, Any] = {
+                    "exitCode": code,
+                    "reason": "Error" if code else "Completed",
+                }
+                if message:
+                    done["message"] = message
+                state = {"terminated": done}
                 status["conditions"] = _conditions(False)
                 status["containerStatuses"] = [_container_status(container, state, False)]
 

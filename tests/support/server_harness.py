@@ -24,6 +24,7 @@ import httpx
 import yaml
 
 from specpair_runtime.config import load_runtime_config
+from specpair_runtime.server.command import start_key_watcher
 from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.runner import DrainingServer, build_server
 from specpair_runtime.server.startup import start_loader, stop_serving
@@ -95,15 +96,16 @@ class InProcessServer:
 def in_process_server(
     config_path: Path,
     *,
-    api_key: str | None = None,
     watch_interval: float = 0.2,
     wait_ready: bool = True,
 ) -> Iterator[InProcessServer]:
-    """uvicorn in a thread of this process, the real engine in another."""
+    """uvicorn in a thread of this process, the real engine in another.
+
+    The API key file (``serving.apiKeyFile``) is loaded and watched as ``serve`` does.
+    """
     config = load_runtime_config(config_path)
-    state = ServerState(
-        config, config_path=config_path, api_key=api_key, device="cpu", probe=MemoryProbe("cpu")
-    )
+    state = ServerState(config, config_path=config_path, device="cpu", probe=MemoryProbe("cpu"))
+    start_key_watcher(state, watch_interval)
     server = build_server(state, config.serving.host, config.serving.port, log_level="warning")
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
@@ -126,6 +128,8 @@ def in_process_server(
         if state.loader is not None:
             state.loader.join(timeout=120)
         stop_serving(state)
+        if state.key_watcher is not None:
+            state.key_watcher.stop()
 
 
 @dataclass

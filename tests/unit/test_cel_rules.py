@@ -16,13 +16,14 @@ import yaml
 from celpy.adapter import json_to_cel
 
 from specpair_operator import crd
-from specpair_operator.api import SpecError, parse_spec
+from specpair_operator.api import SpecError, parse_pair, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD: dict[str, Any] = yaml.safe_load((ROOT / "crds/samples/gpu-pair.yaml").read_text())["spec"]
 
 
 def rules_by_path() -> list[tuple[str, str, str]]:
+    """(path, rule, message); "" is the object itself, ``name[]`` each item of an array."""
     found: list[tuple[str, str, str]] = []
 
     def visit(node: dict[str, Any], path: str) -> None:
@@ -30,25 +31,34 @@ def rules_by_path() -> list[tuple[str, str, str]]:
             found.append((path, rule["rule"], rule["message"]))
         for name, child in (node.get("properties") or {}).items():
             visit(child, f"{path}.{name}" if path else name)
+        if "items" in node:
+            visit(node["items"], f"{path}[]")
 
-    root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    visit(root["properties"]["spec"], "spec")
+    visit(crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
     return found
 
 
-def cel_violations(spec: dict[str, Any]) -> list[str]:
-    """Messages of the rules that fail; a rule applies only where its object is present."""
+def nodes_at(obj: Any, path: str) -> list[Any]:
+    """The values a rule at ``path`` applies to (none where an optional field is absent)."""
+    found = [obj]
+    for part in filter(None, path.split(".")):
+        key = part.removesuffix("[]")
+        found = [n.get(key) for n in found if isinstance(n, dict) and n.get(key) is not None]
+        if part.endswith("[]"):
+            found = [item for n in found for item in n]
+    return found
+
+
+def cel_violations(spec: dict[str, Any], name: str = "llama-8b-1b") -> list[str]:
+    """Messages of the rules that fail on a pair named ``name`` with ``spec``."""
     env = celpy.Environment()
+    obj = {"metadata": {"name": name}, "spec": spec}
     failed = []
     for path, rule, message in rules_by_path():
-        node: Any = spec
-        for part in path.split(".")[1:]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is None:
-            continue
         program = env.program(env.compile(rule))
-        if not bool(program.evaluate({"self": json_to_cel(node)})):
-            failed.append(message)
+        for node in nodes_at(obj, path):
+            if not bool(program.evaluate({"self": json_to_cel(node)})):
+                failed.append(message)
     return failed
 
 
@@ -94,6 +104,15 @@ def test_cpu_sample_passes() -> None:
         ),
         (mutated(goldenPrompts={}), "exactly one of inline or configMapRef"),
         (mutated(resources__gpus=0, resources__gpuMemory="80Gi"), "gpuMemory needs"),
+        (mutated(resources__gpus=2), "resources.gpus must be 0 or 1: the runtime serves"),
+        (
+            mutated(scheduling__tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]),
+            "operator Exists must not have a value",
+        ),
+        (
+            mutated(scheduling__tolerations=[{"operator": "Equal", "value": "v"}]),
+            "without a key needs operator Exists",
+        ),
     ],
 )
 def test_bad_objects_fail_in_cel_and_in_python(spec: dict[str, Any], message: str) -> None:
@@ -108,3 +127,24 @@ def test_rules_tolerate_absent_optional_fields() -> None:
     spec = mutated()
     spec["speculation"] = {"maxDepth": 2}
     assert cel_violations(spec) == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a" * 64,  # a label value holds at most 63 characters
+        "pair.v2",  # a dot: not a Service name (DNS-1035 label)
+        "2pair",  # a Service name starts with a letter
+        "Pair",
+    ],
+)
+def test_bad_names_fail_in_cel_and_in_python(name: str) -> None:
+    violations = cel_violations(GOOD, name=name)
+    assert len(violations) == 1 and "metadata.name must be a DNS-1035 label" in violations[0]
+    with pytest.raises(SpecError, match=r"^metadata\.name: "):
+        parse_pair({"metadata": {"name": name}, "spec": GOOD})
+
+
+def test_longest_name_passes() -> None:
+    assert cel_violations(GOOD, name="a" * 63) == []
+    parse_pair({"metadata": {"name": "a" * 63}, "spec": GOOD})

@@ -182,8 +182,10 @@ def test_operator_args_are_accepted_by_the_real_cli(control_plane_binaries: Bina
     )
     args = operator_cli().parse_args(watched["args"])
     assert args.namespace == ["team-a", "team-b"] and args.metrics_port == 0
-    env = {e["name"]: e["value"] for e in watched["env"]}
+    env = {e["name"]: e.get("value") for e in watched["env"]}
     assert env["SPECPAIR_LOG_LEVEL"] == "info"
+    # The Lease lives where the chart's leader-election Role allows it.
+    assert args.leader_election and args.lease_namespace == "specpair-system"
 
 
 def test_cluster_role_grants_what_deploy_rbac_grants(control_plane_binaries: Binaries) -> None:
@@ -193,7 +195,13 @@ def test_cluster_role_grants_what_deploy_rbac_grants(control_plane_binaries: Bin
     objects = render(control_plane_binaries)
     (role,) = find(objects, "ClusterRole")
     assert rule_set(role["rules"]) == expected
-    assert not find(objects, "Role")
+    # The one namespaced Role: the leader-election Lease, in the release's namespace.
+    (lease_role,) = find(objects, "Role")
+    assert rule_set(lease_role["rules"]) == rule_set(
+        next(yaml.safe_load_all((ROOT / "deploy/rbac/leader_election_role.yaml").read_text()))[
+            "rules"
+        ]
+    )
     (binding,) = find(objects, "ClusterRoleBinding")
     (account,) = find(objects, "ServiceAccount")
     assert binding["subjects"] == [
@@ -214,12 +222,12 @@ def test_watched_namespaces_get_a_role_each(control_plane_binaries: Binaries) ->
         yaml.safe_load((ROOT / "deploy/rbac/cluster_role.yaml").read_text())["rules"]
     )
     objects = render(control_plane_binaries, WATCHED)
-    roles = find(objects, "Role")
+    roles = [r for r in find(objects, "Role") if not r["metadata"]["name"].endswith("-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert sorted(b["metadata"]["namespace"] for b in find(objects, "RoleBinding")) == [
-        "team-a",
-        "team-b",
-    ]
+    bindings = find(objects, "RoleBinding")
+    assert sorted(
+        b["metadata"]["namespace"] for b in bindings if b["roleRef"]["name"].endswith("operator")
+    ) == ["team-a", "team-b"]
     (cluster_role,) = find(objects, "ClusterRole")
     cluster = rule_set(cluster_role["rules"])
     # Only cluster-scoped reads stay cluster-wide; everything else is per namespace.

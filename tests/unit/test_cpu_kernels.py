@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair_runtime.engine.cpu_kernels import onednn_available, use_onednn_linears
+from specpair_runtime.engine.cpu_kernels import (
+    onednn_available,
+    restore_default_linears,
+    use_onednn_linears,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch build without oneDNN")
 
@@ -26,3 +30,12 @@ def test_linears_are_switched_and_agree_with_the_default_kernel() -> None:
         single = model(x[:, :1])  # one token, the target-only shape
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.allclose(single, expected[:, :1], atol=1e-5)
+
+
+def test_restoring_the_default_kernels_undoes_the_switch() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    assert use_onednn_linears(model) == 2
+    assert restore_default_linears(model) == 2
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert restore_default_linears(model) == 0
+    assert use_onednn_linears(model) == 2  # and it can be switched again

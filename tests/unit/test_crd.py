@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
-from specpair_operator import crd
+from specpair_operator import api, crd
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "specpair.dev_speculativepairs.yaml"
@@ -64,7 +64,7 @@ def test_names_columns_and_subresource() -> None:
     assert version["name"] == "v1alpha1" and version["storage"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Version", "Mode", "Ready", "Acceptance", "Age"]
+    assert columns == ["Version", "Serving", "Mode", "Ready", "Acceptance", "Age"]
 
 
 def test_defaults_enums_and_ranges() -> None:
@@ -104,3 +104,25 @@ def test_cel_rules_are_attached() -> None:
 
 def test_crd_validates_against_the_kubernetes_schema() -> None:
     kubernetes_validate.validate(yaml.safe_load(COMMITTED.read_text()), "1.27.0", strict=True)
+
+
+def test_issue_11_bounds_are_in_the_schema() -> None:
+    """What every apiserver refuses at apply time (items 4, 5 and 9 of issue 11)."""
+    root = schema()
+    name_rule = root["x-kubernetes-validations"][0]
+    assert "self.metadata.name" in name_rule["rule"] and "63" in name_rule["rule"]
+    spec = root["properties"]["spec"]["properties"]
+    resources = spec["resources"]["properties"]
+    assert resources["gpus"]["maximum"] == 1 and "one GPU" in resources["gpus"]["description"]
+    for field in ("gpuMemory", "memory"):
+        assert resources[field]["pattern"] == api.BYTES_PATTERN
+    assert spec["target"]["properties"]["size"]["properties"]["parameters"]["maximum"] == 10**15
+    inline = spec["goldenPrompts"]["properties"]["inline"]
+    assert inline["maxItems"] == api.MAX_INLINE_GOLDEN_PROMPTS
+    assert "configMapRef" in inline["description"]
+    prompt = inline["items"]["properties"]["prompt"]
+    assert prompt["maxLength"] == api.MAX_GOLDEN_PROMPT_LENGTH
+    tolerations = spec["scheduling"]["properties"]["tolerations"]
+    assert (
+        tolerations["maxItems"] == 64 and len(tolerations["items"]["x-kubernetes-validations"]) == 2
+    )

@@ -1,147 +1,127 @@
-"""KV-cache rollback, row select/merge and compaction against fresh prefills."""
+"""The static slot KV storage: rollback by length, chunked prefill, fixed storage."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
-from tools.tiny_models import ModelKind, build_model, build_tokenizer
-from transformers import PreTrainedModel
+from tools.tiny_models import ModelKind, as_loaded, build_model, build_pair, build_tokenizer
 
-from specpair_runtime.engine.kvcache import RaggedCache, cache_tensors, crop_cache
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.kvcache import KVGeometry, RowSpan, lower_right_causal
+from specpair_runtime.engine.options import EngineOptions
+from specpair_runtime.engine.runner import ModelRunner
+from specpair_runtime.engine.speculative import SpeculativeEngine
 
-CPU = torch.device("cpu")
 ATOL = 1e-5
+TOKENS = [5, 17, 33, 2, 9, 41, 8, 12, 30, 7, 19, 23, 4, 11, 3, 28, 6, 15, 21, 10]
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
-def model(request: pytest.FixtureRequest) -> PreTrainedModel:
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
     kind: ModelKind = request.param
-    return build_model(kind, build_tokenizer(), seed=3)
+    tok = build_tokenizer()
+    model = build_model(kind, tok, seed=3)
+    return ModelRunner(as_loaded(model, tok, "m"), slots=3, max_length=64)
 
 
-def _feed(
-    model: PreTrainedModel, cache: RaggedCache, chunks: Sequence[Sequence[int]]
-) -> torch.Tensor:
-    """Append ragged chunks (right-padded) and return logits [B, W, V]."""
-    width = max(len(c) for c in chunks)
-    ids = torch.tensor([list(c) + [0] * (width - len(c)) for c in chunks])
-    inputs = cache.prepare([len(c) for c in chunks], width)
+def _forward(runner: ModelRunner, rows: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+    """rows: (slot, position, tokens); returns each row's logits at its last token."""
+    spans: list[RowSpan] = []
+    ids: list[int] = []
+    last: list[int] = []
+    for slot, position, tokens in rows:
+        spans.append(RowSpan(slot, len(ids), len(tokens), position))
+        ids += tokens
+        last.append(len(ids) - 1)
     with torch.inference_mode():
-        out = model(
-            input_ids=ids,
-            position_ids=inputs.position_ids,
-            attention_mask=inputs.attention_mask,
-            cache=cache.cache,
-            use_cache=True,
-        )
-    logits: torch.Tensor = out.logits
-    return logits
+        logits = runner.forward(spans, torch.tensor(ids), torch.tensor(last))
+    assert logits is not None
+    return list(logits)
 
 
-def _fresh(model: PreTrainedModel, tokens: Sequence[int]) -> tuple[RaggedCache, torch.Tensor]:
-    cache = RaggedCache(1, CPU, torch.float32)
-    logits = _feed(model, cache, [tokens])
-    return cache, logits[0, -1]
+def test_geometry_counts_keys_and_values() -> None:
+    tok = build_tokenizer()
+    model = build_model("llama", tok, seed=0)
+    geometry = KVGeometry.of(model.config)
+    assert geometry.layers == model.config.num_hidden_layers
+    assert geometry.bytes_per_token(torch.float32) == (
+        2 * geometry.layers * geometry.kv_heads * geometry.head_dim * 4
+    )
 
 
-def _row_slots(cache: RaggedCache, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A row's real (non-hole) cache slots, per layer."""
-    keep = cache.valid[row]
-    return [(k[row][:, keep], v[row][:, keep]) for k, v in cache_tensors(cache.cache)]
+def test_lower_right_causal_mask() -> None:
+    mask = lower_right_causal(2, 4, groups=2, device=torch.device("cpu"))
+    assert mask.tolist() == [[True, True, True, False], [True, True, True, True]] * 2
 
 
-def _copy(cache: RaggedCache) -> RaggedCache:
-    copy = RaggedCache(0, CPU, torch.float32)
-    copy.merge(cache)
-    return copy
+def test_chunked_prefill_equals_one_forward(runner: ModelRunner) -> None:
+    (whole,) = _forward(runner, [(0, 0, TOKENS)])
+    for start in range(0, len(TOKENS), 7):
+        (chunked,) = _forward(runner, [(1, start, TOKENS[start : start + 7])])
+    assert torch.allclose(whole, chunked, atol=ATOL)
 
 
-def _assert_row_equals_fresh(
-    model: PreTrainedModel, original: RaggedCache, row: int, prefix: Sequence[int], probe: int
-) -> None:
-    """Row ``row`` holds exactly ``prefix``: same cache slots and next-token logits."""
-    cache = _copy(original)  # the probe below appends to every row
-    fresh, _ = _fresh(model, prefix)
-    assert cache.lengths[row] == len(prefix)
-    for (k1, v1), (k2, v2) in zip(_row_slots(cache, row), _row_slots(fresh, 0), strict=True):
-        assert torch.allclose(k1, k2, atol=ATOL) and torch.allclose(v1, v2, atol=ATOL)
-    # The next token after the prefix sees only the prefix.
-    rows = cache.rows
-    logits = _feed(model, cache, [[probe]] * rows)[row, 0]
-    _, expected = _fresh(model, [*prefix, probe])
-    assert torch.allclose(logits, expected, atol=ATOL)
+def test_rollback_is_not_advancing_the_length(runner: ModelRunner) -> None:
+    prefix, rejected, accepted = TOKENS[:10], [40, 41, 42], [13]
+    _forward(runner, [(0, 0, prefix)])
+    _forward(runner, [(0, len(prefix), rejected)])  # a verify whose drafts were all rejected
+    (after,) = _forward(runner, [(0, len(prefix), accepted)])  # overwrites position 10
+    (fresh,) = _forward(runner, [(2, 0, prefix + accepted)])
+    assert torch.allclose(after, fresh, atol=ATOL)
 
 
-def test_crop_takes_a_length_and_removes_the_tail(model: PreTrainedModel) -> None:
-    cache, _ = _fresh(model, [5, 6, 7, 8, 9])
-    crop_cache(cache.cache, 3)
-    assert all(k.shape[2] == 3 for k, _ in cache_tensors(cache.cache))
+def test_unequal_rows_in_one_flat_forward_equal_separate_forwards(runner: ModelRunner) -> None:
+    a, b, c = TOKENS[:12], TOKENS[3:5], TOKENS[5:6]
+    together = _forward(runner, [(0, 0, a), (1, 0, b), (2, 0, c)])
+    alone = [_forward(runner, [(slot, 0, t)])[0] for slot, t in ((0, a), (1, b), (2, c))]
+    for joint, solo in zip(together, alone, strict=True):
+        assert torch.allclose(joint, solo, atol=ATOL)
+    # Verify-shaped rows (several tokens after a prefix) against one-token steps.
+    spans = [(0, len(a), [7, 8, 9]), (1, len(b), [10, 11])]
+    verify = _forward(runner, spans)
+    _forward(runner, [(0, len(a), [7, 8]), (1, len(b), [10])])
+    steps = _forward(runner, [(0, len(a) + 2, [9]), (1, len(b) + 1, [11])])
+    for joint, solo in zip(verify, steps, strict=True):
+        assert torch.allclose(joint, solo, atol=ATOL)
 
 
-def test_rollback_of_one_row_equals_fresh_prefill(model: PreTrainedModel) -> None:
-    prompt = [11, 12, 13, 14]
-    for keep in range(1, 5):
-        cache, _ = _fresh(model, prompt)
-        _feed(model, cache, [[20, 21, 22, 23]])
-        cache.rollback([keep], 4)
-        assert cache.physical_length == len(prompt) + keep  # a batch of one never has holes
-        _assert_row_equals_fresh(model, cache, 0, [*prompt, 20, 21, 22, 23][: 4 + keep], probe=30)
+def test_dense_attention_equals_varlen(runner: ModelRunner) -> None:
+    """The CUDA-graph form (rows of equal length, masks from positions) gives the same logits."""
+    _forward(runner, [(0, 0, TOKENS[:9]), (1, 0, TOKENS[9:13])])
+    rows = [RowSpan(0, 0, 3, 9), RowSpan(1, 3, 3, 4)]
+    ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    index = torch.arange(6)
+    with torch.inference_mode():
+        varlen = runner.forward(rows, ids, index)
+        dense = runner.forward(rows, ids, index, dense=True)
+    assert varlen is not None and dense is not None
+    assert torch.allclose(varlen, dense, atol=ATOL)
 
 
-def test_ragged_rollback_in_a_batch_equals_fresh_prefills(model: PreTrainedModel) -> None:
-    prompts = [[5, 6, 7, 8, 9, 10], [40, 41], [50, 51, 52, 53]]
-    cache = RaggedCache(3, CPU, torch.float32)
-    _feed(model, cache, prompts)  # right-padded prefill
-    drafts = [[60, 61, 62], [70, 71, 72], [80, 81, 82]]
-    _feed(model, cache, drafts)
-    keep = [0, 3, 1]
-    cache.rollback(keep, 3)
-    assert cache.holes > 0
-    for row in range(3):
-        _assert_row_equals_fresh(model, cache, row, prompts[row] + drafts[row][: keep[row]], 90)
-
-
-def test_select_merge_and_compact_keep_rows_intact(model: PreTrainedModel) -> None:
-    prompts = [[5, 6, 7], [20, 21, 22, 23, 24, 25, 26], [30]]
-    cache = RaggedCache(3, CPU, torch.float32)
-    _feed(model, cache, prompts)
-    _feed(model, cache, [[1, 2], [3, 4], [5, 6]])
-    cache.rollback([2, 0, 1], 2)
-    sequences = [prompts[0] + [1, 2], prompts[1], prompts[2] + [5]]
-
-    cache.select([2, 0])
-    newcomer = RaggedCache(1, CPU, torch.float32)
-    _feed(model, newcomer, [[90, 91, 92, 93, 94, 95, 96, 97, 98]])
-    cache.merge(newcomer)
-    expected = [sequences[2], sequences[0], [90, 91, 92, 93, 94, 95, 96, 97, 98]]
-    assert cache.lengths == [len(s) for s in expected]
-
-    cache.compact()
-    assert cache.physical_length == max(len(s) for s in expected)
-    for row, prefix in enumerate(expected):
-        _assert_row_equals_fresh(model, cache, row, prefix, probe=77)
-
-
-def test_merging_into_an_empty_cache_and_selecting_nothing(model: PreTrainedModel) -> None:
-    cache = RaggedCache(0, CPU, torch.float32)
-    one = RaggedCache(1, CPU, torch.float32)
-    _feed(model, one, [[3, 4, 5]])
-    cache.merge(one)
-    assert cache.rows == 1 and cache.lengths == [3]
-    cache.select([])
-    assert cache.rows == 0 and cache.physical_length == 0
-    empty_rows = RaggedCache(2, CPU, torch.float32)  # prompts of one token: nothing prefilled
-    cache.merge(empty_rows)
-    _feed(model, cache, [[8], [9]])
-    _assert_row_equals_fresh(model, cache, 1, [9], probe=10)
-
-
-def test_maybe_compact_triggers_on_many_holes() -> None:
-    cache = RaggedCache(2, CPU, torch.float32)
-    cache.valid = torch.ones((2, 100), dtype=torch.bool)
-    cache.valid[0, 10:90] = False
-    cache.lengths = [20, 100]
-    assert cache.maybe_compact()  # no layers yet: only the bookkeeping moves
-    assert cache.valid[0, :20].all() and not cache.valid[0, 20:].any()
+def test_storage_is_never_reallocated_or_copied_across_steps() -> None:
+    """100 steps of unequal prompts joining and leaving: the same tensors, the same memory."""
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "t"),
+        as_loaded(pair.draft, tok, "d"),
+        SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False),
+        options=EngineOptions(max_slots=3, max_length=256, max_step_tokens=16),
+    )
+    assert engine.draft is not None
+    storages = [engine.target.storage, engine.draft.storage]
+    assert storages[0] is not None and storages[1] is not None
+    fingerprint = [(s.tensor.data_ptr(), tuple(s.tensor.shape)) for s in storages if s]
+    lengths = [1, 40, 7, 90, 3, 25]
+    submitted = 0
+    for step in range(100):
+        if step % 9 == 0 and submitted < 30:
+            prompt = [(t * 7 + submitted) % 50 + 3 for t in range(lengths[submitted % 6])]
+            engine.add_request(f"r{submitted}", prompt, SamplingParams(max_new_tokens=20))
+            submitted += 1
+        engine.step()
+        assert [engine.target.storage, engine.draft.storage] == storages
+        now = [(s.tensor.data_ptr(), tuple(s.tensor.shape)) for s in storages if s]
+        assert now == fingerprint
+    assert submitted > 6  # requests really came and went

@@ -20,11 +20,17 @@ def node(
     mib: int | None,
     labels: dict[str, str] | None = None,
     taints: list[dict[str, str]] | None = None,
+    ready: str = "True",
+    unschedulable: bool = False,
 ) -> dict[str, Any]:
     all_labels = {"nvidia.com/gpu.present": "true", **(labels or {})}
     if mib is not None:
         all_labels["nvidia.com/gpu.memory"] = str(mib)
-    return {"metadata": {"name": name, "labels": all_labels}, "spec": {"taints": taints or []}}
+    return {
+        "metadata": {"name": name, "labels": all_labels},
+        "spec": {"taints": taints or [], "unschedulable": unschedulable},
+        "status": {"conditions": [{"type": "Ready", "status": ready}]},
+    }
 
 
 @pytest.mark.parametrize(
@@ -63,10 +69,20 @@ def test_smallest_admitted_node_counts() -> None:
         node("other-pool", 16384, labels={"nvidia.com/gpu.present": "false"}),
         node("tainted", 8192, taints=[{"key": "dedicated", "value": "x", "effect": "NoSchedule"}]),
         node("no-label", None),
+        # Take no new pods: NotReady, Unknown (no heartbeat), cordoned.
+        node("not-ready", 4096, ready="False"),
+        node("unknown", 4096, ready="Unknown"),
+        node("cordoned", 4096, unschedulable=True),
     ]
     found = device_memory(spec, nodes)
     assert found is not None
     assert (found.bytes, found.source) == (24576 * MIB, "node small label nvidia.com/gpu.memory")
+
+
+def test_a_node_without_a_ready_condition_does_not_count() -> None:
+    bare = node("bare", 4096)
+    bare["status"] = {}
+    assert device_memory(parse_spec(BASE), [bare]) is None
 
 
 def test_tolerated_taint_is_admitted() -> None:

@@ -65,7 +65,7 @@ def test_ready_pair() -> None:
     status = build_status(obs, {}, now=NOW)
     assert status["observedGeneration"] == 5
     assert conds(status) == {
-        "Ready": ("True", "Available"),
+        "Ready": ("True", "Serving"),
         "Progressing": ("False", "RolloutComplete"),
         "Degraded": ("False", "AsExpected"),
         "HeadroomSufficient": ("True", "Colocated"),
@@ -77,10 +77,68 @@ def test_ready_pair() -> None:
 
 
 def test_rolling_out_keeps_the_old_current_revision() -> None:
-    obs = Observation(6, "r2", a_plan(80), DEVICE80, deployment(2, 1, 2, revision="r2"))
-    status = build_status(obs, {"currentRevision": "r1"}, now=NOW)
+    previous = build_status(
+        Observation(5, "r1", a_plan(80), DEVICE80, deployment(2, 2, 2), version="v1"), {}, now=NOW
+    )
+    obs = Observation(
+        6, "r2", a_plan(80), DEVICE80, deployment(2, 1, 2, revision="r2"), version="v2"
+    )
+    status = build_status(obs, previous, now=NOW)
     assert conds(status)["Progressing"] == ("True", "RollingOut")
     assert status["currentRevision"] == "r1"
+    # The old revision still serves, but not the spec's: Ready says so.
+    assert conds(status)["Ready"] == ("False", "RollingOut")
+    assert (status["servingVersion"], status["desiredVersion"]) == ("v1", "v2")
+
+
+def test_scale_up_at_the_same_revision_stays_ready() -> None:
+    dep = deployment(2, 2, 1)  # one of two pods available, both at r1
+    status = build_status(
+        Observation(7, "r1", a_plan(80), DEVICE80, dep, version="v1"), {}, now=NOW
+    )
+    assert conds(status)["Ready"] == ("True", "Serving")
+    assert conds(status)["Progressing"] == ("True", "ScalingUp")
+    assert status["currentRevision"] == "r1" and status["servingVersion"] == "v1"
+
+
+def test_an_unset_knob_is_not_a_change() -> None:
+    # The desired status holds null; the stored one (after a merge patch) omits the key.
+    knobs = {"enabled": True, "maxDepth": 4, "disableAboveBatchSize": None}
+    obs = Observation(1, "r1", None, None, deployment(1, 1, 1), knobs=knobs)  # memory unknown
+    first = build_status(obs, {}, now=NOW)
+    assert first["placement"] is None
+    stored = {**first, "speculation": {"enabled": True, "maxDepth": 4}}
+    stored = {k: v for k, v in stored.items() if v is not None}  # null keys are not stored
+    assert status_patch(stored, build_status(obs, stored, now=NOW)) == {}
+    assert status_patch(stored, {**first, "speculation": {**knobs, "maxDepth": 5}}) != {}
+
+
+def test_missing_reference_is_degraded_and_named() -> None:
+    message = "Secret api-key (spec.serving.apiKeySecret) not found"
+    obs = Observation(
+        1, "r1", a_plan(80), DEVICE80, None, missing_references=(message,), version="v1"
+    )
+    status = build_status(obs, {}, now=NOW)
+    assert conds(status)["Degraded"] == ("True", "MissingReference")
+    assert conds(status)["Ready"] == ("False", "MissingReference")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert message in str(degraded["message"])
+
+
+def test_held_placement_change_is_a_condition() -> None:
+    obs = Observation(
+        2, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1), placement_pending="confirm it"
+    )
+    status = build_status(obs, {}, now=NOW)
+    assert conds(status)["PlacementChangePending"] == ("True", "ConfirmationNeeded")
+    cleared = build_status(
+        Observation(3, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1)), status, now=NOW
+    )
+    assert conds(cleared)["PlacementChangePending"] == ("False", "AsPlanned")
+    never = build_status(
+        Observation(3, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1)), {}, now=NOW
+    )
+    assert "PlacementChangePending" not in conds(never)
 
 
 def test_target_only_and_does_not_fit() -> None:
@@ -98,7 +156,7 @@ def test_deadline_exceeded_is_degraded() -> None:
     dep = deployment(1, 1, 0, progressing_reason="ProgressDeadlineExceeded")
     status = build_status(Observation(1, "r1", a_plan(80), DEVICE80, dep), {}, now=NOW)
     assert conds(status)["Degraded"] == ("True", "ProgressDeadlineExceeded")
-    assert conds(status)["Ready"] == ("False", "ReplicasUnavailable")
+    assert conds(status)["Ready"] == ("False", "NotAvailable")
 
 
 def test_invalid_spec_keeps_placement_and_reports() -> None:
@@ -155,5 +213,7 @@ def test_held_revision_is_degraded_rollout_failed() -> None:
     assert history["r2"]["outcome"] == "RolledBack" and not history["r2"]["current"]
     assert history["r2"]["version"] == "v2"
     assert conds(status)["Progressing"] == ("False", "RolledBack")
-    assert conds(status)["Ready"] == ("True", "Available")
+    # Ready means serving at the spec's revision: the rolled-back one is not.
+    assert conds(status)["Ready"] == ("False", "RolledBack")
     assert status["currentRevision"] == "r1"
+    assert (status["servingVersion"], status["desiredVersion"]) == ("unknown", "v2")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 GPU_SAMPLE = ROOT / "crds" / "samples" / "gpu-pair.yaml"
 
@@ -25,7 +27,14 @@ def test_plan_json_for_24gib() -> None:
     run = cli("plan", "-f", str(GPU_SAMPLE), "--gpu-memory", "24Gi", "--json")
     assert run.returncode == 0, run.stderr
     plan = json.loads(run.stdout)
-    assert set(plan) == {"mode", "requiredBytes", "deviceBytes", "headroomBytes", "reason"}
+    assert set(plan) == {
+        "mode",
+        "requiredBytes",
+        "deviceBytes",
+        "headroomBytes",
+        "reason",
+        "minDeviceBytes",
+    }
     # Same numbers as tests/unit/test_planner.py (sample: batch 8 × 4096, bf16).
     assert plan["mode"] == "TargetOnly"
     assert plan["requiredBytes"] == 21_429_231_616
@@ -49,18 +58,35 @@ def test_plan_uses_spec_gpu_memory(tmp_path: Path) -> None:
     assert json.loads(run.stdout)["mode"] == "DoesNotFit"
 
 
-def test_missing_gpu_memory_names_the_field() -> None:
-    run = cli("plan", "-f", str(GPU_SAMPLE))
-    assert run.returncode == 2
-    assert run.stderr.strip() == (
-        "error: spec.resources.gpuMemory: not set; pass --gpu-memory (e.g. 80Gi)"
-    )
+def test_the_documented_sample_command_plans_without_a_device() -> None:
+    # As documented in the sample and in docs/operations.md: no --gpu-memory, no gpuMemory.
+    run = cli("plan", "-f", str(GPU_SAMPLE), "--json")
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    assert plan["mode"] == "Unknown" and plan["deviceBytes"] is None
+    assert "spec.resources.gpuMemory" in plan["reason"] and "--gpu-memory" in plan["reason"]
+    smallest = plan["minDeviceBytes"]
+    assert smallest["targetOnly"] < smallest["colocated"]
 
 
-def test_bad_quantity_names_the_flag() -> None:
-    run = cli("plan", "-f", str(GPU_SAMPLE), "--gpu-memory", "lots")
+def test_smallest_devices_are_exact_boundaries_of_the_planner() -> None:
+    smallest = json.loads(cli("plan", "-f", str(GPU_SAMPLE), "--json").stdout)["minDeviceBytes"]
+    for size, mode in (
+        (smallest["colocated"], "Colocated"),
+        (smallest["colocated"] - 1, "TargetOnly"),
+        (smallest["targetOnly"], "TargetOnly"),
+        (smallest["targetOnly"] - 1, "DoesNotFit"),
+    ):
+        run = cli("plan", "-f", str(GPU_SAMPLE), "--gpu-memory", str(size), "--json")
+        assert json.loads(run.stdout)["mode"] == mode, (size, run.stderr)
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "500m", "99999999999999999999999Ei", "2Ei"])
+def test_bad_quantity_names_the_flag(value: str) -> None:
+    run = cli("plan", "-f", str(GPU_SAMPLE), "--gpu-memory", value)
     assert run.returncode == 2
-    assert "--gpu-memory" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    line = run.stderr.strip()
+    assert line.startswith("error: --gpu-memory: ") and len(line.splitlines()) == 1, line
 
 
 def test_bad_spec_names_the_field(tmp_path: Path) -> None:

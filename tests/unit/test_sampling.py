@@ -1,18 +1,28 @@
-"""The rejection sampler and logits processing, on synthetic distributions."""
+"""The flat-batch rejection sampler and logits processing, on synthetic distributions.
+
+The tests build padded ``[rows, k, V]`` cases and flatten them into the
+sampler's layout (``_flat``), so each case reads as rows of drafts.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specpair_runtime.engine import sampling
 from specpair_runtime.engine.sampling import (
+    SAMPLING_EPS,
+    FlatLayout,
     SamplingTensors,
-    greedy_verify,
+    StepIndex,
+    finite_rows,
     probabilities,
     process_logits,
-    rejection_sample,
+    sanitize,
 )
 
 CPU = torch.device("cpu")
@@ -20,6 +30,43 @@ CPU = torch.device("cpu")
 
 def _params(rows: int, temperature: float, top_k: int = 0, top_p: float = 1.0) -> SamplingTensors:
     return SamplingTensors.build([temperature] * rows, [top_k] * rows, [top_p] * rows, CPU)
+
+
+def _flat(
+    num_draft: list[int], k: int, *per_row: torch.Tensor
+) -> tuple[FlatLayout, StepIndex, list[torch.Tensor]]:
+    """Padded per-row tensors [R, K(+1), ...] -> the flat layout (row r keeps num_draft[r](+1))."""
+    layout = FlatLayout.of(num_draft)
+    flat = []
+    for tensor in per_row:
+        extra = tensor.shape[1] - k  # 0 for drafts, 1 for target positions
+        flat.append(torch.cat([tensor[r, : n + extra] for r, n in enumerate(num_draft)]))
+    return layout, StepIndex.of(layout, CPU), flat
+
+
+def rejection_sample(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    num_draft: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, k = drafts.shape
+    counts = [k] * rows if num_draft is None else num_draft.tolist()
+    layout, index, (ids, q, p) = _flat(counts, k, drafts, draft_probs, target_probs)
+    return sampling.rejection_sample(ids, q, p, generators, index, layout)
+
+
+def greedy_verify(
+    drafts: torch.Tensor, target_argmax: torch.Tensor, num_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    layout, index, (ids, argmax) = _flat(num_draft.tolist(), drafts.shape[1], drafts, target_argmax)
+    return sampling.greedy_verify(ids, argmax, index, layout)
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """[R, S, V] -> [R * S, V] (one flat position per row and step)."""
+    return logits.reshape(-1, logits.shape[-1])
 
 
 def _chi_square_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
@@ -48,8 +95,8 @@ def test_processing_matches_transformers_warpers(
 ) -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 4, 50) * 3
-    ours = process_logits(logits, _params(3, temperature, top_k, top_p))
     flat = logits.reshape(12, 50)
+    ours = process_logits(flat, _params(12, temperature, top_k, top_p)).reshape(3, 4, 50)
     theirs = TemperatureLogitsWarper(temperature)(None, flat)
     if top_k:
         theirs = TopKLogitsWarper(top_k)(None, theirs)
@@ -63,7 +110,7 @@ def test_processing_matches_transformers_warpers(
 
 def test_per_row_parameters_are_independent() -> None:
     torch.manual_seed(1)
-    logits = torch.randn(2, 1, 30)
+    logits = torch.randn(2, 30)
     params = SamplingTensors.build([1.0, 0.5], [3, 0], [1.0, 0.5], CPU)
     both = probabilities(logits, params)
     alone0 = probabilities(logits[:1], _params(1, 1.0, 3, 1.0))
@@ -73,10 +120,10 @@ def test_per_row_parameters_are_independent() -> None:
 
 
 def test_greedy_rows_are_one_hot_at_the_argmax() -> None:
-    logits = torch.tensor([[[0.1, 2.0, -1.0]], [[0.1, 2.0, -1.0]]])
+    logits = torch.tensor([[0.1, 2.0, -1.0], [0.1, 2.0, -1.0]])
     probs = probabilities(logits, SamplingTensors.build([0.0, 1.0], [0, 0], [1.0, 1.0], CPU))
-    assert probs[0, 0].tolist() == [0.0, 1.0, 0.0]
-    assert 0 < float(probs[1, 0, 0]) < 1
+    assert probs[0].tolist() == [0.0, 1.0, 0.0]
+    assert 0 < float(probs[1, 0]) < 1
 
 
 def _synthetic(
@@ -129,9 +176,8 @@ def test_processed_distributions_are_kept(temperature: float, top_k: int, top_p:
     generator = torch.Generator().manual_seed(5)
     target_logits = torch.randn(1, k + 1, vocab, generator=generator) * 1.2
     draft_logits = target_logits[:, :k] + torch.randn(1, k, vocab, generator=generator)
-    params = _params(1, temperature, top_k, top_p)
-    p = probabilities(target_logits, params)[0]
-    q = probabilities(draft_logits, params)[0]
+    p = probabilities(_rows(target_logits), _params(k + 1, temperature, top_k, top_p))
+    q = probabilities(_rows(draft_logits), _params(k, temperature, top_k, top_p))
     drafts = torch.stack(
         [torch.multinomial(q[j], rows, replacement=True, generator=generator) for j in range(k)],
         dim=1,
@@ -175,15 +221,18 @@ def test_greedy_is_the_one_hot_special_case_of_rejection_sampling() -> None:
     rows, k, vocab = 64, 4, 9
     target_logits = torch.randn(rows, k + 1, vocab, generator=generator)
     draft_logits = target_logits[:, :k] + torch.randn(rows, k, vocab, generator=generator)
-    greedy = _params(rows, 0.0)
     drafts = draft_logits.argmax(dim=-1)
     expected, expected_accepted = greedy_verify(
         drafts, target_logits.argmax(dim=-1), torch.full((rows,), k)
     )
+    q = probabilities(_rows(draft_logits), _params(rows * k, 0.0)).reshape(rows, k, vocab)
+    p = probabilities(_rows(target_logits), _params(rows * (k + 1), 0.0)).reshape(
+        rows, k + 1, vocab
+    )
     output, accepted = rejection_sample(
         drafts,
-        probabilities(draft_logits, greedy),
-        probabilities(target_logits, greedy),
+        q,
+        p,
         [torch.Generator().manual_seed(i) for i in range(rows)],
     )
     assert torch.equal(output, expected) and torch.equal(accepted, expected_accepted)
@@ -197,3 +246,52 @@ def test_num_draft_limits_each_row() -> None:
     )
     assert accepted.tolist() == [1, 0]  # p == q: every proposed token is accepted
     assert (output[0, 2:] == -1).all() and (output[1, 1:] == -1).all()
+
+
+def test_rows_without_drafts_sample_from_the_target() -> None:
+    """num_draft = 0 is target-only decoding: the token comes from p."""
+    rows, vocab = 20000, 7
+    p = torch.softmax(torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)), dim=-1)
+    torch.manual_seed(10)
+    output, accepted = rejection_sample(
+        torch.zeros((rows, 0), dtype=torch.long),
+        torch.zeros((rows, 0, vocab)),
+        p.expand(rows, 1, vocab),
+        [None] * rows,
+    )
+    assert output.shape == (rows, 1) and int(accepted.sum()) == 0
+    assert _chi_square_p(output[:, 0], p[0]) > 0.01
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-9, SAMPLING_EPS / 2])
+def test_temperatures_below_the_floor_are_greedy(temperature: float) -> None:
+    logits = torch.tensor([[3.0, 90.0, 89.9999, -1e4]])
+    params = _params(1, temperature)
+    assert params.all_greedy
+    probs = probabilities(logits, params)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("temperature", [SAMPLING_EPS, 1e-4, 1e-2, 1.0, 50.0, 1e30])
+def test_every_temperature_above_the_floor_gives_a_finite_distribution(
+    temperature: float,
+) -> None:
+    logits = torch.tensor([[3.0, 90.0, 89.9, -1e4, 0.0]]) * 100  # large logits
+    probs = probabilities(logits, _params(1, temperature))
+    assert bool(finite_rows(probs).all())
+    assert float(probs.sum()) == pytest.approx(1.0, abs=1e-5)
+    token = torch.multinomial(probs, 1)
+    assert 0 <= int(token) < 5
+
+
+def test_non_finite_rows_are_flagged_and_made_safe() -> None:
+    logits = torch.randn(3, 6)
+    logits[1, 2] = float("nan")
+    logits[2] = float("inf")
+    probs = probabilities(logits, _params(3, 0.9))
+    ok = finite_rows(probs)
+    assert ok.tolist() == [True, False, False]
+    safe = sanitize(probs, ok)
+    assert torch.equal(safe[0], probs[0])
+    tokens = torch.multinomial(safe, 1)  # would raise on the NaN rows
+    assert tokens[1:].flatten().tolist() == [0, 0]

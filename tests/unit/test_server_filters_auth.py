@@ -1,13 +1,20 @@
-"""Output filter construction and the Bearer key check."""
+"""Output filter construction, the API key file, its rotation and the Bearer check."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from specpair_runtime.config import ConfigError, OutputFilter
-from specpair_runtime.server.auth import authorized, load_api_key
+from specpair_runtime.server.auth import (
+    Caller,
+    KeyFileWatcher,
+    KeyRing,
+    load_key_file,
+    parse_key_file,
+)
 from specpair_runtime.server.filters import build_filter
 
 
@@ -29,17 +36,70 @@ def test_bad_regex_names_its_field() -> None:
         build_filter(OutputFilter(deny_patterns=["ok", "(unclosed"]))
 
 
-def test_bearer_key(tmp_path: Path) -> None:
+def test_one_key_file_is_the_default_key_at_priority_zero(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
-    key_file.write_text("  k3y\n")
-    key = load_api_key(key_file)
-    assert key == "k3y"
-    assert authorized("Bearer k3y", key) and authorized("bearer k3y", key)
-    assert not authorized(None, key)
-    assert not authorized("Bearer k3", key)
-    assert not authorized("Basic k3y", key)
-    assert not authorized("k3y", key)
-    assert authorized(None, None)
+    key_file.write_text("  k3y-k3y-k3y\n")
+    ring = KeyRing(load_key_file(key_file))
+    expected = Caller("default", 0)
+    assert ring.caller("Bearer k3y-k3y-k3y") == expected
+    assert ring.caller("bearer k3y-k3y-k3y") == expected
+    for header in (None, "Bearer k3y-k3y-k3", "Basic k3y-k3y-k3y", "k3y-k3y-k3y"):
+        assert ring.caller(header) is None
     key_file.write_text("\n")
-    with pytest.raises(ConfigError, match="apiKeyFile"):
-        load_api_key(key_file)
+    with pytest.raises(ConfigError, match=r"apiKeyFile.*empty"):
+        load_key_file(key_file)
+
+
+KEYS = """
+keys:
+  - {name: interactive, key: key-interactive-1, priority: 10}
+  - {name: batch, key: key-batch-0001, priority: -5}
+"""
+
+
+def test_key_file_maps_keys_to_names_and_priority_classes() -> None:
+    ring = KeyRing(parse_key_file(KEYS))
+    assert ring.caller("Bearer key-interactive-1") == Caller("interactive", 10)
+    assert ring.caller("Bearer key-batch-0001") == Caller("batch", -5)
+    assert ring.caller("Bearer key-batch-0002") is None
+    assert ring.names == ("interactive", "batch")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("keys: []", "keys"),
+        ("keys:\n  - {name: a, key: short}", "keys.0.key"),
+        ("keys:\n  - {name: Has Space, key: long-enough-key}", "keys.0.name"),
+        ("keys:\n  - {name: a, key: long-enough-key, priority: 5000}", "keys.0.priority"),
+        ("keys:\n  - {name: a, key: long-enough-key, rank: 1}", "keys.0.rank"),
+        ("keys:\n  - {name: a, key: long-enough-1}\n  - {name: a, key: long-enough-2}", "unique"),
+        ("keys:\n  - {name: a, key: long-enough-1}\n  - {name: b, key: long-enough-1}", "same key"),
+        ("two words", "one key"),
+    ],
+)
+def test_bad_key_files_name_the_field_and_never_echo_a_key(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match="apiKeyFile") as error:
+        parse_key_file(text)
+    assert fragment in str(error.value)
+    assert "long-enough" not in str(error.value)
+
+
+def test_rotation_swaps_keys_and_a_bad_file_keeps_the_old_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("old-key-0001")
+    ring = KeyRing(load_key_file(key_file))
+    watcher = KeyFileWatcher(key_file, ring)
+    assert watcher.poll_once() is False  # unchanged
+    key_file.write_text(KEYS)
+    with caplog.at_level(logging.INFO, logger="specpair"):
+        assert watcher.poll_once() is True
+    assert ring.caller("Bearer old-key-0001") is None
+    assert ring.caller("Bearer key-batch-0001") == Caller("batch", -5)
+    assert "rotated" in caplog.text and "interactive, batch" in caplog.text
+    assert "key-batch-0001" not in caplog.text
+    key_file.write_text("keys: []")
+    assert watcher.poll_once() is False
+    assert ring.caller("Bearer key-batch-0001") == Caller("batch", -5)

@@ -1,11 +1,14 @@
-"""Memory-pressure hysteresis, the probe's test hook and the pause decision."""
+"""Memory-pressure hysteresis, the CPU reading (anonymous memory), the test hook, the pause."""
 
 from __future__ import annotations
+
+import mmap
+from pathlib import Path
 
 import pytest
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.server.memory import MemoryProbe, PressureGate
+from specpair_runtime.server.memory import CpuMemory, MemoryProbe, PressureGate
 from specpair_runtime.server.scheduler import pause_reason
 
 
@@ -43,3 +46,57 @@ def test_pause_reason_prefers_memory_pressure_then_batch_size() -> None:
     assert pause_reason(True, 3, knobs) == "memory_pressure"
     assert pause_reason(True, 1, knobs) == "memory_pressure"
     assert pause_reason(False, 100, SpeculationKnobs()) is None
+
+
+def lay_out(root: Path, files: dict[str, str]) -> CpuMemory:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return CpuMemory(root)
+
+
+PROC = {
+    "proc/meminfo": "MemTotal:       16000000 kB\nMemFree:  100 kB\n",
+    "proc/self/status": "VmRSS:\t 9000000 kB\nRssAnon:\t 1000000 kB\nRssFile:\t 8000000 kB\n",
+}
+
+
+def test_cpu_reading_counts_anonymous_memory_not_file_pages(tmp_path: Path) -> None:
+    # No cgroup limit: the process's anonymous memory over the system's memory.
+    memory = lay_out(tmp_path / "none", PROC)
+    assert memory.reading() == pytest.approx(1_000_000 / 16_000_000)
+    # cgroup v2 with a limit: the cgroup's anon against it (file pages left out).
+    v2 = lay_out(
+        tmp_path / "v2",
+        {**PROC, "sys/fs/cgroup/memory.max": "4000000000\n",
+         "sys/fs/cgroup/memory.stat": "anon 1000000000\nfile 8000000000\n"},
+    )  # fmt: skip
+    assert v2.reading() == pytest.approx(0.25) and v2.limit_bytes() == 4_000_000_000
+    # cgroup v2 without a limit ("max") falls back to the process and the system.
+    unlimited = lay_out(tmp_path / "v2max", {**PROC, "sys/fs/cgroup/memory.max": "max\n"})
+    assert unlimited.reading() == pytest.approx(1 / 16)
+    # cgroup v1: total_rss is the anonymous part.
+    v1 = lay_out(
+        tmp_path / "v1",
+        {**PROC, "sys/fs/cgroup/memory/memory.limit_in_bytes": "2000000000\n",
+         "sys/fs/cgroup/memory/memory.stat": "cache 9000000000\ntotal_rss 500000000\n"},
+    )  # fmt: skip
+    assert v1.reading() == pytest.approx(0.25)
+
+
+def test_real_probe_ignores_a_memory_mapped_file(tmp_path: Path) -> None:
+    """Touching a 64 MiB mapped file grows RSS, not the pressure reading."""
+    path = tmp_path / "weights.bin"
+    size = 64 << 20
+    with path.open("wb") as out:
+        out.truncate(size)
+    memory = CpuMemory()
+    before = memory.reading() * memory.limit_bytes()
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        total = sum(mapped[offset] for offset in range(0, size, mmap.PAGESIZE))
+        assert total == 0
+        grown = memory.reading() * memory.limit_bytes() - before
+        rss_file = int(Path("/proc/self/status").read_text().split("RssFile:")[1].split()[0])
+        assert rss_file * 1024 >= size  # the pages really are resident
+    assert grown < size / 4, grown

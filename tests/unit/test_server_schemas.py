@@ -59,6 +59,26 @@ def error_of(client: TestClient, path: str, body: object) -> tuple[int, dict[str
             "messages[0].role",
             "system",
         ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "presence_penalty": 0.5},
+            "presence_penalty",
+            "only 0",
+        ),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty", "2"),
+        ("/v1/completions", {"prompt": "hi", "priority": 5000}, "priority", "1000"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"x": 1}},
+            "stream_options.x",
+            "unknown",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]},
+            "messages[0].content[0].type",
+            "text",
+        ),
     ],
 )
 def test_invalid_fields_are_named(
@@ -85,6 +105,8 @@ def test_malformed_json_and_non_object_body(client: TestClient) -> None:
 def test_valid_request_waits_for_readiness(client: TestClient) -> None:
     status, error = error_of(client, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 503 and error["code"] == "not_ready"
+    retry = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert int(retry.headers["Retry-After"]) > 0
     assert "loading" in str(error["message"])
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["phase"] == "loading"
@@ -102,3 +124,10 @@ def test_flag_overrides_are_validated_under_their_field_name() -> None:
     assert merged.serving.host == CONFIG.serving.host
     with pytest.raises(ValueError, match=r"serving\.maxBatchSize"):
         apply_overrides(CONFIG, {"max_batch_size": 0})
+
+
+def test_both_length_fields_must_agree(client: TestClient) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+            "max_completion_tokens": 4}  # fmt: skip
+    status, error = error_of(client, "/v1/chat/completions", body)
+    assert status == 400 and "max_completion_tokens" in str(error["message"])

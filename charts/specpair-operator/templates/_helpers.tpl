@@ -50,7 +50,7 @@ the rest goes by garbage collection through ownerReferences. Pods are only
 listed (their IPs). No secrets.
 */}}
 {{- define "specpair-operator.namespacedRules" -}}
-# Watch the pairs; patch only for kopf's progress annotations.
+# Watch the pairs; patch only for the failed-revision annotation.
 - apiGroups: [specpair.dev]
   resources: [speculativepairs]
   verbs: [get, list, watch, patch]
@@ -61,25 +61,29 @@ listed (their IPs). No secrets.
 - apiGroups: [specpair.dev]
   resources: [speculativepairs/finalizers]
   verbs: [update]
-# The children, read by name and written whole.
+# The children: watched, written back where they depart from the spec.
 - apiGroups: [""]
   resources: [configmaps, services]
-  verbs: [get, create, update]
+  verbs: [get, list, watch, create, update]
 # ConfigMaps of revisions neither current nor in status.revisions are deleted.
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [list, delete]
+  verbs: [delete]
 # The pods' IPs: why a new pod is not ready, and the acceptance scrape.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, update]
+  verbs: [get, list, watch, create, update]
 # Rollback reads the last good pod template from its ReplicaSet.
 - apiGroups: [apps]
   resources: [replicasets]
-  verbs: [list]
+  verbs: [list, watch]
+# Does a Secret the pair names exist, with its key? Get by name only.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 # Events about the pairs, from the operator and kopf.
 - apiGroups: [""]
   resources: [events]
@@ -87,10 +91,10 @@ listed (their IPs). No secrets.
 {{- end }}
 
 {{- define "specpair-operator.clusterRules" -}}
-# GPU memory from the nvidia.com/gpu.memory node label.
+# GPU memory from the nvidia.com/gpu.memory node label (a watched copy).
 - apiGroups: [""]
   resources: [nodes]
-  verbs: [list]
+  verbs: [list, watch]
 # kopf follows the CRDs to notice when its resource appears or goes.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]

@@ -69,3 +69,14 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
         setattr(module, _MARK, True)
         count += 1
     return count
+
+
+def restore_default_linears(model: torch.nn.Module) -> int:
+    """Undo ``use_onednn_linears`` (the benchmark's stock-kernel baseline); returns how many."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, _MARK, False):
+            del module.forward
+            delattr(module, _MARK)
+            count += 1
+    return count

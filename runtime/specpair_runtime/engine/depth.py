@@ -1,13 +1,12 @@
-"""Depth control: how many tokens each request drafts in a step.
+"""Depth control: how many tokens every decoding request drafts in a step.
 
-The depth of request r in a step is
+One depth for the whole step (rows near their ``max_new_tokens`` draft fewer
+by being cut short, not by wasted verify work):
 
-    depth(r) = min(heuristic(r), batch_cap(B), cost_cap)       (0 = no drafting)
+    depth = min(batch_cap(B), cost_cap)       (0 = a target-only step)
 
-1. ``heuristic(r)`` (HF's ``num_assistant_tokens_schedule="heuristic"``):
-   starts at ``maxDepth``; +2 after a step where every drafted token was
-   accepted, -1 otherwise; clamped to [``minDepth``, ``maxDepth``]. With
-   ``adaptive: false`` it stays at ``maxDepth``.
+1. ``maxDepth`` when ``adaptive`` is off; ``minDepth`` is the floor of the
+   adaptive choice.
 2. ``batch_cap(B)`` (TensorRT-LLM's ``draft_len_schedule`` idea: bigger
    batches are closer to compute-bound, so verifying drafts costs more):
    ``maxDepth`` at batch size 1, halved at each doubling of the batch size
@@ -16,14 +15,16 @@ The depth of request r in a step is
 3. ``cost_cap`` (only with ``adaptive``): the depth with the best measured
    throughput. The engine times its steps: seconds per draft forward
    ``t_d``, and seconds per target forward over n query tokens ``t_v(n)``
-   (n = 1 is a plain target-only step), per batch size, as moving averages.
+   (n = 1 is a plain target-only step), per batch size, each the minimum of
+   its last ``TIMING_WINDOW`` samples (noise on a shared machine only adds).
    With the acceptance rate a_i of draft position i (given that every
    earlier one was accepted, decayed counts), the expected tokens per step
    at depth d are ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` and the modelled
-   throughput is ``E(d) / (d * t_d + t_v(d + 1))``. Unmeasured ``t_v(n)``
-   are interpolated linearly between measured ones and held flat beyond the
-   largest one. That is optimistic (on oneDNN a 9-token verify costs about
-   what a 5-token one does), so deeper depths get tried and measured. The
+   throughput is ``E(d) / (d * t_d + t_v(d + 1))``. An unmeasured ``t_v(n)``
+   takes the next measured value above it, and is held flat beyond the
+   largest one (on oneDNN a 9-token verify costs about what a 3-token one
+   does), so deeper depths get tried and measured and shallower ones win
+   only on measured cost or falling acceptance. The
    cap is the best d. Only after ``MIN_VERDICT_STEPS`` speculation steps
    (one noisy timing must not switch speculation off) and when target-only
    (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the cap
@@ -44,23 +45,16 @@ from dataclasses import dataclass, field
 
 from specpair_runtime.config import SpeculationKnobs
 
-EMA_WEIGHT = 0.3  # weight of the newest timing sample
+# Step timings are the minimum of the last TIMING_WINDOW samples: a busy
+# (shared) machine only ever adds time, so the minimum is the closest to the
+# step's own cost, and the window still follows real drift (longer contexts).
+TIMING_WINDOW = 8
 ACCEPTANCE_DECAY = 0.98  # per step, so acceptance follows drift
 PROBE_TARGET_EVERY = 64  # speculation steps between target-only probes
 FIRST_BACKOFF = 16  # target-only steps before re-probing speculation
 MAX_BACKOFF = 256
-MIN_VERDICT_STEPS = 8  # speculation steps measured before "not paying" may be concluded
+MIN_VERDICT_STEPS = 16  # speculation steps measured before "not paying" may be concluded
 NOT_PAYING_MARGIN = 1.05  # target-only must win by 5% to switch speculation off
-
-
-def next_heuristic_depth(depth: int, drafted: int, accepted: int, knobs: SpeculationKnobs) -> int:
-    """HF's heuristic schedule: +2 when every drafted token was accepted, else -1."""
-    if not knobs.adaptive:
-        return knobs.max_depth
-    if drafted == 0:
-        return max(knobs.min_depth, min(depth, knobs.max_depth))
-    stepped = depth + 2 if accepted == drafted else depth - 1
-    return max(knobs.min_depth, min(stepped, knobs.max_depth))
 
 
 def batch_depth_cap(batch_size: int, knobs: SpeculationKnobs) -> int:
@@ -101,8 +95,11 @@ class AcceptanceFloor:
         )
 
 
-def _ema(old: float | None, sample: float) -> float:
-    return sample if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * sample
+def _windowed_min(window: deque[float], sample: float) -> float:
+    window.append(sample)
+    while len(window) > TIMING_WINDOW:
+        window.popleft()
+    return min(window)
 
 
 def expected_tokens(acceptance: list[float], depth: int) -> float:
@@ -115,7 +112,15 @@ def expected_tokens(acceptance: list[float], depth: int) -> float:
 
 
 def interpolate(points: dict[int, float], n: int) -> float | None:
-    """t(n) from measured points: exact, linear between neighbours, flat above the largest."""
+    """t(n) from measured points: exact; between two, the one above; flat above the largest.
+
+    Between measured points the next one above is used, not a line: a verify
+    of a few more tokens costs about the same as a memory-bound step (oneDNN
+    on the CPU is a step function: 2-9 rows cost alike; so is a GPU), and a
+    line through t(1) makes every shallower depth look cheap and pulls the
+    depth down on noise. Only measured costs and acceptance make a shallower
+    depth win.
+    """
     if n in points:
         return points[n]
     if not points:
@@ -128,9 +133,8 @@ def interpolate(points: dict[int, float], n: int) -> float | None:
     if not above:  # beyond the largest measured n: flat (optimistic, so it gets measured)
         return points[below[-1]]
     if below:
-        lo, hi = below[-1], above[0]
-    else:
-        lo, hi = above[0], above[1]
+        return points[above[0]]
+    lo, hi = above[0], above[1]  # below the smallest measured n: extrapolate
     if lo == hi:
         return points[lo]
     slope = (points[hi] - points[lo]) / (hi - lo)
@@ -149,14 +153,16 @@ class CostModel:
     speculation_samples: int = 0  # speculation steps since the last (re)start of speculation
     target_only_streak: int = 0
     backoff: int = FIRST_BACKOFF
+    samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
 
     def record_draft(self, batch_size: int, seconds_per_forward: float) -> None:
-        old = self.draft_seconds.get(batch_size)
-        self.draft_seconds[batch_size] = _ema(old, seconds_per_forward)
+        window = self.samples.setdefault((batch_size, 0), deque())
+        self.draft_seconds[batch_size] = _windowed_min(window, seconds_per_forward)
 
     def record_verify(self, batch_size: int, query_tokens: int, seconds: float) -> None:
         table = self.verify_seconds.setdefault(batch_size, {})
-        table[query_tokens] = _ema(table.get(query_tokens), seconds)
+        window = self.samples.setdefault((batch_size, query_tokens), deque())
+        table[query_tokens] = _windowed_min(window, seconds)
         if query_tokens == 1:
             self.steps_since_target_probe = 0
 

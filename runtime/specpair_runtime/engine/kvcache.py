@@ -1,232 +1,281 @@
-"""KV caches with holes: rollback, row select/merge and compaction.
+"""Static slot KV storage (gpt-fast style) and the flat ragged batch that writes into it.
 
-One ``RaggedCache`` per model holds the whole running batch in a single
-transformers ``DynamicCache`` ([B, heads, L, head_dim] per layer), so a
-batch decodes with one forward per model. Rows accept different numbers of
-draft tokens, so a row's rejected positions cannot simply be cut off the
-shared tensor. Instead ``valid`` ([B, L] bool) marks each physical slot as a
-real token or a *hole* (rolled back, or padding); the attention mask hides
-holes, and position ids count only real tokens, so a row with holes computes
-exactly what it would compute alone. Columns that are holes in every row are
-cropped for real, so a batch of one never has holes at all, and ``compact``
-squeezes the holes out when they pile up.
+Each model owns one tensor, allocated once at start-up::
 
-Batches are only ever right-padded: every query slot then sees at least its
-row's first real token, so no attention row is fully masked (that would give
-NaNs, and NaN values poison later sums even under a zero weight).
+    storage[layer, 0 = keys | 1 = values, slot, kv_head, position, head_dim]
 
-transformers 5.24 quirk: ``DynamicCache.crop`` takes a negative count of
-tokens to remove (a positive count raises).
+A request holds one slot for its whole life. A forward over a flat ragged
+batch (``[1, total_tokens]``, the varlen layout) writes each token's key and
+value at ``(its slot, its position)`` with one in-place ``index_put_`` per
+layer, and attention reads ``storage[layer, :, slot, :, :kv_len]`` as a view.
+A request's *length* (how many positions hold committed tokens) lives with the
+engine; rolling back a rejected draft is just not advancing it, and the stale
+positions are overwritten by the next forward. There is no mask over the
+cache, no crop, no merge, no compaction, and the storage is never reallocated
+(``data_ptr`` and shape stay fixed; ``test_kvcache.py`` checks it).
+
+The last slot (``scratch_slot``) belongs to nobody: padded rows of a bucketed
+CUDA-graph step write there.
+
+Why not transformers' ``PagedAttentionCache``: it is built around its own
+scheduler and request states, its SDPA path gathers every request's whole KV
+into a fresh tensor in each layer and needs a ``[1, 1, T, K]`` mask in the
+model's dtype. A slot per request indexed by position gives views instead of
+gathers, and a rollback that is only an integer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-
-# Compact when holes exceed this share of the physical length (and MIN_HOLES).
-HOLE_SHARE = 0.25
-MIN_HOLES = 32
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer (in place)."""
-    tensors = cache_tensors(cache)
-    # Not get_seq_length(): it reads 0 for a cache with zero rows.
-    current = int(tensors[0][0].shape[2]) if tensors else 0
-    if length < current:
-        cache.crop(length - current)  # negative: the number of tokens to remove
-
-
-def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per initialised layer, each [B, heads, L, head_dim]."""
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for layer in cache.layers:
-        if not isinstance(layer, DynamicLayer):
-            raise TypeError(f"unsupported cache layer {type(layer).__name__}")
-        if layer.is_initialized and layer.keys is not None and layer.values is not None:
-            out.append((layer.keys, layer.values))
-    return out
-
-
-def cache_from_tensors(tensors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    return DynamicCache(ddp_cache_data=list(tensors))
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
-class ForwardInputs:
-    """What a forward over a ragged chunk needs besides the token ids."""
+class KVGeometry:
+    """What one model's KV storage looks like."""
 
-    position_ids: torch.Tensor  # [B, W] long
-    attention_mask: torch.Tensor | None  # [B, 1, W, L+W] additive float, None when no holes
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(config: PretrainedConfig) -> KVGeometry:
+        text = config.get_text_config()
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
+        return KVGeometry(int(text.num_hidden_layers), kv_heads, int(head_dim))
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
 
 
-class RaggedCache:
-    """A batched DynamicCache with per-row holes (see the module docstring)."""
+class KVStorage:
+    """Preallocated keys and values for ``slots`` requests of up to ``max_length`` tokens."""
 
-    def __init__(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.cache = DynamicCache()
-        self.valid = torch.zeros((rows, 0), dtype=torch.bool, device=device)
-        self.lengths: list[int] = [0] * rows  # real tokens per row (= next position id)
-
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def physical_length(self) -> int:
-        return int(self.valid.shape[1])
-
-    @property
-    def holes(self) -> int:
-        return self.rows * self.physical_length - sum(self.lengths)
-
-    def prepare(self, chunk_lens: Sequence[int], width: int) -> ForwardInputs:
-        """Inputs for a forward that appends ``width`` slots to every row.
-
-        Row i's first ``chunk_lens[i]`` new slots are real tokens; the rest are
-        holes (right padding). Call right before the forward: the bookkeeping
-        assumes the forward appends exactly ``width`` slots.
-        """
-        if len(chunk_lens) != self.rows:
-            raise ValueError(f"chunk_lens has {len(chunk_lens)} rows, the cache {self.rows}")
-        lens = torch.tensor(list(chunk_lens), dtype=torch.long, device=self.device)
-        offsets = torch.arange(width, device=self.device)
-        new_valid = offsets[None, :] < lens[:, None]
-        starts = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
-        # Hole slots repeat the last real position: harmless (masked) and in range.
-        last = (lens - 1).clamp(min=0)
-        position_ids = starts[:, None] + torch.minimum(offsets[None, :], last[:, None])
-        past = self.physical_length
-        self.valid = torch.cat([self.valid, new_valid], dim=1)
-        self.lengths = [n + c for n, c in zip(self.lengths, chunk_lens, strict=True)]
-        if sum(self.lengths) == self.rows * self.physical_length:  # no holes, no device sync
-            return ForwardInputs(position_ids, None)
-        kv = torch.arange(past + width, device=self.device)
-        causal = kv[None, :] <= (past + offsets)[:, None]  # [W, L+W]
-        allowed = causal[None, :, :] & self.valid[:, None, :]  # [B, W, L+W]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        # The finite minimum, not -inf: a slot whose row has no real token yet
-        # (a one-token prompt in a prefill batch) then gets a uniform, finite
-        # attention instead of NaN, and NaN never enters the cache.
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return ForwardInputs(position_ids, mask[:, None, :, :])
-
-    def rollback(self, keep: Sequence[int], width: int) -> None:
-        """Of the last ``width`` slots, row i keeps its first ``keep[i]`` real ones."""
-        start = self.physical_length - width
-        keep_t = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        offsets = torch.arange(width, device=self.device)
-        tail = self.valid[:, start:]
-        new_tail = tail & (offsets[None, :] < keep_t[:, None])
-        removed = (tail.sum(dim=1) - new_tail.sum(dim=1)).tolist()
-        self.valid = torch.cat([self.valid[:, :start], new_tail], dim=1)
-        self.lengths = [n - r for n, r in zip(self.lengths, removed, strict=True)]
-        self.trim()
-
-    def trim(self) -> None:
-        """Crop trailing slots that are holes in every row."""
-        if self.physical_length == 0:
-            return
-        used = self.valid.any(dim=0).nonzero()
-        length = int(used[-1].item()) + 1 if used.numel() else 0
-        if length < self.physical_length:
-            crop_cache(self.cache, length)
-            self.valid = self.valid[:, :length]
-
-    def select(self, indices: Sequence[int]) -> None:
-        """Keep only the given rows, in the given order."""
-        index = torch.tensor(list(indices), dtype=torch.long, device=self.device)
-        tensors = cache_tensors(self.cache)
-        if not indices:
-            self.cache = DynamicCache()
-        elif tensors:
-            self.cache = cache_from_tensors(
-                [(k.index_select(0, index), v.index_select(0, index)) for k, v in tensors]
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        slots: int,
+        max_length: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if slots < 1 or max_length < 1:
+            raise ValueError(
+                f"KV storage needs slots >= 1 and max_length >= 1, got {slots}, {max_length}"
             )
-        self.valid = self.valid.index_select(0, index)
-        self.lengths = [self.lengths[i] for i in indices]
-        self.trim()
-        self.maybe_compact()
-
-    def merge(self, other: RaggedCache) -> None:
-        """Append ``other``'s rows below this cache's rows (right-padded with holes)."""
-        length = max(self.physical_length, other.physical_length)
-        mine, theirs = cache_tensors(self.cache), cache_tensors(other.cache)
-        if not mine and not theirs:
-            merged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        else:
-            template = mine or theirs
-            mine = mine or _empty_like(template, self.rows)
-            theirs = theirs or _empty_like(template, other.rows)
-            merged = [
-                (
-                    torch.cat([_pad_to(k1, length), _pad_to(k2, length)], dim=0),
-                    torch.cat([_pad_to(v1, length), _pad_to(v2, length)], dim=0),
-                )
-                for (k1, v1), (k2, v2) in zip(mine, theirs, strict=True)
-            ]
-        self.cache = cache_from_tensors(merged) if merged else DynamicCache()
-        self.valid = torch.cat([_pad_mask(self.valid, length), _pad_mask(other.valid, length)])
-        self.lengths = self.lengths + other.lengths
-
-    def maybe_compact(self) -> bool:
-        """Compact when holes pile up; True if it did."""
-        holes = self.holes
-        if holes < MIN_HOLES or holes < HOLE_SHARE * self.rows * self.physical_length:
-            return False
-        self.compact()
-        return True
-
-    def compact(self) -> None:
-        """Move every row's real slots to the front (order kept), dropping holes."""
-        length = max(self.lengths, default=0)
-        # A stable sort of "is hole" puts real slots first, in their original order.
-        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :length]
-        tensors = cache_tensors(self.cache)
-        if tensors:
-            compacted = []
-            for keys, values in tensors:
-                index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-                compacted.append((keys.gather(2, index), values.gather(2, index)))
-            self.cache = cache_from_tensors(compacted)
-        self.valid = self.valid.gather(1, order)
-
-    def reset(self) -> None:
-        """Drop every slot (the rows stay, with no tokens)."""
-        self.cache = DynamicCache()
-        self.valid = self.valid[:, :0]
-        self.lengths = [0] * self.rows
-
-
-def _pad_to(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    missing = length - tensor.shape[2]
-    if missing == 0:
-        return tensor
-    pad = tensor.new_zeros((tensor.shape[0], tensor.shape[1], missing, tensor.shape[3]))
-    return torch.cat([tensor, pad], dim=2)
-
-
-def _pad_mask(valid: torch.Tensor, length: int) -> torch.Tensor:
-    missing = length - valid.shape[1]
-    if missing == 0:
-        return valid
-    return torch.cat([valid, valid.new_zeros((valid.shape[0], missing))], dim=1)
-
-
-def _empty_like(
-    template: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [
-        (
-            k.new_zeros((rows, k.shape[1], 0, k.shape[3])),
-            v.new_zeros((rows, v.shape[1], 0, v.shape[3])),
+        self.geometry = geometry
+        self.slots = slots
+        self.max_length = max_length
+        # Zeros, not empty: the dense (CUDA-graph) attention reads whole slots
+        # under a mask, and 0 * NaN garbage would still be NaN.
+        self.tensor = torch.zeros(
+            (geometry.layers, 2, slots + 1, geometry.kv_heads, max_length, geometry.head_dim),
+            device=device,
+            dtype=dtype,
         )
-        for k, v in template
-    ]
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.slots
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 1]
+
+
+@dataclass
+class RowSpan:
+    """One request's part of a flat forward: query tokens [start, start + q_len) of the batch."""
+
+    slot: int
+    start: int  # offset in the flat batch
+    q_len: int
+    position: int  # position of the row's first query token (= tokens already in its slot)
+
+    @property
+    def kv_len(self) -> int:
+        return self.position + self.q_len
+
+
+@dataclass
+class FlatBatch:
+    """The metadata of one flat ragged forward (host lists + device index tensors)."""
+
+    rows: list[RowSpan]
+    write_slot: torch.Tensor  # [T] long: the slot of every token
+    write_position: torch.Tensor  # [T] long: the position of every token
+    position_ids: torch.Tensor  # [1, T] long
+    masks: list[torch.Tensor | None]  # per row: bool [groups * q_len, kv_len] or None
+    dense: DenseRows | None = None  # set when the dense (uniform-rows) attention runs
+    slot_groups: list[SlotGroup] = field(default_factory=list)
+    solo_rows: list[int] = field(default_factory=list)  # rows attended one by one
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.write_slot.shape[0])
+
+
+@dataclass
+class DenseRows:
+    """Uniform rows (every row has the same q_len) as tensors, for a capturable step."""
+
+    slot: torch.Tensor  # [R] long
+    position: torch.Tensor  # [R] long: first query position of each row
+    q_len: int
+
+
+@dataclass
+class SlotGroup:
+    """Rows of equal q_len attended in ONE attention call over the slot range [lo, hi].
+
+    One call per layer instead of one per row: on a busy CPU every call is a
+    parallel region, and those dominate a step of small models. Keys and
+    values are the view ``storage[lo : hi + 1, :, :kv_max]`` (no gather);
+    slots in the range that are not in the group get a one-key mask and their
+    output is dropped.
+    """
+
+    rows: list[int]  # indices into FlatBatch.rows
+    lo: int
+    hi: int
+    q_len: int
+    kv_max: int
+    tokens: torch.Tensor  # [R * q_len] flat token indices, row by row
+    offsets: torch.Tensor  # [R] slot - lo
+    mask: torch.Tensor  # bool [hi - lo + 1, 1, q_len, kv_max]
+
+
+def _slot_group(rows: list[RowSpan], members: list[int], device: torch.device) -> SlotGroup:
+    chosen = [rows[i] for i in members]
+    lo = min(r.slot for r in chosen)
+    hi = max(r.slot for r in chosen)
+    q_len = chosen[0].q_len
+    kv_max = max(r.kv_len for r in chosen)
+    first = [0] * (hi - lo + 1)  # idle slots in the range see key 0 only
+    for row in chosen:
+        first[row.slot - lo] = row.position
+    seen = torch.tensor(first)[:, None] + torch.arange(q_len)[None, :]
+    mask = torch.arange(kv_max)[None, None, :] <= seen[:, :, None]
+    tokens = [t for r in chosen for t in range(r.start, r.start + q_len)]
+    index = torch.tensor([*tokens, *(r.slot - lo for r in chosen)], dtype=torch.long)
+    index = index.to(device, non_blocking=True)
+    return SlotGroup(
+        rows=members,
+        lo=lo,
+        hi=hi,
+        q_len=q_len,
+        kv_max=kv_max,
+        tokens=index[: len(tokens)],
+        offsets=index[len(tokens) :],
+        mask=mask[:, None].to(device, non_blocking=True),
+    )
+
+
+def lower_right_causal(q_len: int, kv_len: int, groups: int, device: torch.device) -> torch.Tensor:
+    """Bool mask [groups * q_len, kv_len]: query j sees keys 0 .. kv_len - q_len + j.
+
+    Rows are repeated per query group, matching queries laid out as
+    [kv_heads, groups * q_len, head_dim] (grouped-query attention without
+    repeating the keys).
+    """
+    offset = kv_len - q_len
+    keys = torch.arange(kv_len, device=device)
+    queries = torch.arange(q_len, device=device) + offset
+    mask = keys[None, :] <= queries[:, None]
+    return mask.repeat(groups, 1) if groups > 1 else mask
+
+
+def build_flat_batch(
+    rows: list[RowSpan], device: torch.device, groups: int, *, dense: bool = False
+) -> FlatBatch:
+    """Index tensors for ``rows`` (laid out back to back in the flat batch)."""
+    slots: list[int] = []
+    positions: list[int] = []
+    masks: list[torch.Tensor | None] = []
+    by_length: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        by_length.setdefault(row.q_len, []).append(index)
+    grouped = set() if dense else {i for m in by_length.values() if len(m) > 1 for i in m}
+    for index, row in enumerate(rows):
+        slots.extend([row.slot] * row.q_len)
+        positions.extend(range(row.position, row.kv_len))
+        if row.q_len == 1 or dense or index in grouped:
+            masks.append(None)  # one query sees every key; groups and dense build their own
+        else:
+            masks.append(lower_right_causal(row.q_len, row.kv_len, groups, device))
+    # One host-to-device copy for all index vectors.
+    packed = torch.tensor([slots, positions], dtype=torch.long).to(device, non_blocking=True)
+    dense_rows = None
+    if dense:
+        q_len = rows[0].q_len
+        if any(r.q_len != q_len for r in rows):
+            raise ValueError("dense attention needs rows of equal q_len")
+        meta = torch.tensor([[r.slot for r in rows], [r.position for r in rows]], dtype=torch.long)
+        meta = meta.to(device, non_blocking=True)
+        dense_rows = DenseRows(meta[0], meta[1], q_len)
+    slot_groups = (
+        []
+        if dense
+        else [
+            _slot_group(rows, members, device) for members in by_length.values() if len(members) > 1
+        ]
+    )
+    return FlatBatch(
+        rows=rows,
+        write_slot=packed[0],
+        write_position=packed[1],
+        position_ids=packed[1][None, :],
+        masks=masks,
+        dense=dense_rows,
+        slot_groups=slot_groups,
+        solo_rows=[i for i in range(len(rows)) if i not in grouped],
+    )
+
+
+BATCH_KEY = "specpair_batch"
+
+
+class SlotCache:
+    """The object handed to a transformers model as its ``cache`` for one forward.
+
+    ``update`` writes this forward's keys and values into the static storage
+    and returns the layer's whole storage; the attention function
+    (``attention.py``) reads the rows' spans from it. The batch metadata travels
+    to the attention function in the model's kwargs, as transformers' own
+    paged cache does it.
+    """
+
+    is_compileable = True
+
+    def __init__(self, storage: KVStorage, batch: FlatBatch) -> None:
+        self.storage = storage
+        self.batch = batch
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        kwargs: dict[str, Any] | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self.storage.keys(layer_idx)
+        values = self.storage.values(layer_idx)
+        index = (self.batch.write_slot, slice(None), self.batch.write_position)
+        # [1, H, T, D] -> [T, H, D], the layout of storage[slot, :, position].
+        keys[index] = key_states[0].transpose(0, 1).to(keys.dtype)
+        values[index] = value_states[0].transpose(0, 1).to(values.dtype)
+        if kwargs is not None:
+            kwargs[BATCH_KEY] = self.batch
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max((r.kv_len for r in self.batch.rows), default=0)

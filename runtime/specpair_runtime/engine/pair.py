@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specpair_runtime.config import ModelSpec, SpeculationKnobs
 from specpair_runtime.engine.alignment import AlignmentReport, check_alignment
 from specpair_runtime.engine.loading import LoadedModel, load_model
+from specpair_runtime.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from specpair_runtime.engine.speculative import SpeculativeEngine
@@ -22,6 +23,7 @@ class LoadedPair:
     draft: LoadedModel | None
     alignment: AlignmentReport | None  # None when no draft was loaded
     knobs: SpeculationKnobs
+    options: EngineOptions = field(default_factory=EngineOptions)  # KV sizing, step budget
 
     @property
     def speculation_refused(self) -> str | None:
@@ -32,19 +34,30 @@ class LoadedPair:
         return self.alignment.refusal_reason
 
     def engine(
-        self, *, speculate: bool = True, knobs: SpeculationKnobs | None = None
+        self,
+        *,
+        speculate: bool = True,
+        knobs: SpeculationKnobs | None = None,
+        options: EngineOptions | None = None,
     ) -> SpeculativeEngine:
         """A fresh engine over the loaded models; ``speculate=False`` gives target-only.
 
-        ``knobs`` overrides the pair's knobs for this engine (the bench sweeps depths).
+        ``knobs`` overrides the pair's knobs for this engine (the bench sweeps
+        depths); ``options`` overrides the pair's sizing (the CLI sizes the KV
+        storage to one request).
         """
         from specpair_runtime.engine.speculative import SpeculativeEngine
 
         chosen = knobs if knobs is not None else self.knobs
+        sizing = options if options is not None else self.options
         if not speculate or self.draft is None:
-            return SpeculativeEngine(self.target, None, chosen)
+            return SpeculativeEngine(self.target, None, chosen, options=sizing)
         return SpeculativeEngine(
-            self.target, self.draft, chosen, speculation_refused=self.speculation_refused
+            self.target,
+            self.draft,
+            chosen,
+            speculation_refused=self.speculation_refused,
+            options=sizing,
         )
 
 
@@ -60,6 +73,7 @@ def load_pair(
     draft_spec: ModelSpec | None,
     knobs: SpeculationKnobs,
     device: str | None = None,
+    options: EngineOptions | None = None,
 ) -> LoadedPair:
     """Load both models on one device (never split: moving activations erases the gain)."""
     target = load_model(target_spec, "target", device)
@@ -72,4 +86,4 @@ def load_pair(
             log.warning("alignment: %s", problem)
         if not alignment.aligned:
             log.warning("speculation refused; decoding with the target only")
-    return LoadedPair(target, draft, alignment, knobs)
+    return LoadedPair(target, draft, alignment, knobs, options or EngineOptions())

@@ -1,21 +1,29 @@
-"""Logits processing and lossless rejection sampling (pure tensor functions).
+"""Logits processing and lossless rejection sampling over a flat batch.
 
-Vocabulary (as in vLLM's rejection sampler): the draft proposes ``k`` tokens;
-the target accepts a prefix of them (*accepted* tokens); at the first
-rejection a *recovered* token is sampled from the residual distribution
-``norm(max(0, p - q))``; when all ``k`` are accepted a *bonus* token is
-sampled from the target's distribution after the last draft token.
+Layout (vLLM's rejection sampler): a step has ``R`` rows (requests). Row r
+proposed ``num_draft[r]`` draft tokens (0 for a plain decode step or the end of
+a prefill); they lie back to back in ``draft_token_ids [D]`` (``D = sum
+num_draft``), and the target scored ``num_draft[r] + 1`` positions per row,
+back to back in ``[D + R, V]``. The offsets come from ``FlatLayout``.
 
-Shapes: ``B`` rows (requests), ``K`` the padded draft length, ``V`` the
-vocabulary. Every probability here is a *processed* distribution: the same
-temperature / top-k / top-p (``process_logits``) is applied to target and
-draft logits, so the output follows the target's processed distribution
-exactly (Leviathan et al. 2023, Chen et al. 2023). Temperature 0 (greedy) is
-the special case of one-hot distributions: a draft token is accepted iff it
-is the target's argmax, and the recovered/bonus token is the target's argmax.
+The target accepts a prefix of each row's drafts (*accepted* tokens); at the
+first rejection a *recovered* token is sampled from ``norm(max(0, p - q))``;
+when all are accepted a *bonus* token is sampled from the target's
+distribution after the last draft token. A row without drafts just samples
+from p (target-only decoding is the special case ``num_draft = 0``).
 
-Each row draws its random numbers only from its own ``torch.Generator``, so
-batch companions never consume a request's random stream.
+Every probability is a *processed* distribution: the same temperature / top-k
+/ top-p is applied to target and draft logits, so the output follows the
+target's processed distribution exactly (Leviathan et al. 2023, Chen et al.
+2023). A temperature below ``SAMPLING_EPS`` is greedy: one-hot distributions,
+a draft token is accepted iff it is the target's argmax.
+
+Random numbers: a row with a ``torch.Generator`` (a request that asked for a
+seed) draws only from it, and only as many numbers as its own drafts need;
+all other rows share batched draws from the global generator.
+
+Nothing here synchronises with the host; the engine reads the results once
+per step.
 """
 
 from __future__ import annotations
@@ -25,20 +33,85 @@ from dataclasses import dataclass
 
 import torch
 
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy. Dividing logits by
+# anything smaller risks float32 overflow (1e-38 turns every logit into inf),
+# and the distribution is one-hot to float32 precision long before that.
+SAMPLING_EPS = 1e-5
+
 _NEG_INF = float("-inf")
+
+
+def is_greedy_temperature(temperature: float) -> bool:
+    return temperature < SAMPLING_EPS
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Offsets of a flat step; built on the host from ``num_draft`` (no device sync)."""
+
+    num_draft: list[int]  # per row
+    draft_start: list[int]  # per row: offset in the flat draft tokens
+    target_start: list[int]  # per row: offset in the flat target positions
+
+    @staticmethod
+    def of(num_draft: Sequence[int]) -> FlatLayout:
+        draft_start, target_start = [], []
+        d = t = 0
+        for n in num_draft:
+            draft_start.append(d)
+            target_start.append(t)
+            d += n
+            t += n + 1
+        return FlatLayout(list(num_draft), draft_start, target_start)
+
+    @property
+    def rows(self) -> int:
+        return len(self.num_draft)
+
+    @property
+    def max_draft(self) -> int:
+        return max(self.num_draft, default=0)
+
+    @property
+    def total_draft(self) -> int:
+        return sum(self.num_draft)
+
+    def draft_rows(self) -> list[int]:
+        """The row of every flat draft token."""
+        return [r for r, n in enumerate(self.num_draft) for _ in range(n)]
+
+    def draft_target_index(self) -> list[int]:
+        """The target position that scores every flat draft token."""
+        return [
+            t + j for t, n in zip(self.target_start, self.num_draft, strict=True) for j in range(n)
+        ]
+
+    def draft_offset(self) -> list[int]:
+        """Every flat draft token's index within its row."""
+        return [j for n in self.num_draft for j in range(n)]
+
+    def target_rows(self) -> list[int]:
+        """The row of every flat target position."""
+        return [r for r, n in enumerate(self.num_draft) for _ in range(n + 1)]
 
 
 @dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row sampling parameters as tensors on the logits' device.
+    """Sampling parameters per flat logits position (built from host lists, no sync).
 
-    temperature [B] float (0 = greedy), top_k [B] long (0 = off), top_p [B] float.
+    temperature [N] float (1 where greedy), top_k [N] long (0 = off),
+    top_p [N] float, greedy [N] bool.
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
-    greedy_rows: tuple[bool, ...]
+    greedy: torch.Tensor
+    all_greedy: bool
+    any_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    max_top_k: int
 
     @staticmethod
     def build(
@@ -47,48 +120,57 @@ class SamplingTensors:
         top_ps: Sequence[float],
         device: torch.device,
     ) -> SamplingTensors:
+        greedy = [is_greedy_temperature(t) for t in temperatures]
+        temps = [1.0 if g else float(t) for g, t in zip(greedy, temperatures, strict=True)]
+        packed = torch.tensor([temps, list(top_ps), greedy], dtype=torch.float32).to(device)
         return SamplingTensors(
-            temperature=torch.tensor(list(temperatures), dtype=torch.float32, device=device),
-            top_k=torch.tensor(list(top_ks), dtype=torch.long, device=device),
-            top_p=torch.tensor(list(top_ps), dtype=torch.float32, device=device),
-            greedy_rows=tuple(t == 0.0 for t in temperatures),
+            temperature=packed[0],
+            top_k=torch.tensor(list(top_ks), dtype=torch.long).to(device),
+            top_p=packed[1],
+            greedy=packed[2].bool(),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            needs_top_k=any(k > 0 for k in top_ks),
+            needs_top_p=any(p < 1.0 for p in top_ps),
+            max_top_k=max(top_ks, default=0),
         )
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(self.greedy_rows)
-
-    @property
-    def needs_top_k(self) -> bool:
-        return bool((self.top_k > 0).any())
-
-    @property
-    def needs_top_p(self) -> bool:
-        return bool((self.top_p < 1.0).any())
+    def select(self, index: torch.Tensor, host_index: Sequence[int]) -> SamplingTensors:
+        """The parameters of some positions (``index`` and ``host_index`` name the same ones)."""
+        greedy = self.greedy.index_select(0, index)
+        return SamplingTensors(
+            temperature=self.temperature.index_select(0, index),
+            top_k=self.top_k.index_select(0, index),
+            top_p=self.top_p.index_select(0, index),
+            greedy=greedy,
+            all_greedy=self.all_greedy,
+            any_greedy=self.any_greedy,
+            needs_top_k=self.needs_top_k,
+            needs_top_p=self.needs_top_p,
+            max_top_k=self.max_top_k,
+        )
 
 
 def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (HF's order); returns float32 logits.
+    """Temperature, then top-k, then top-p (HF's order) on logits [N, V]; float32 out.
 
-    logits: [B, S, V] (S positions per row). Masked tokens get -inf. Greedy
-    rows (temperature 0) are left unscaled; ``probabilities`` makes them
-    one-hot. Top-p keeps the smallest set of most likely tokens whose
-    probability reaches ``top_p`` (always at least one token).
+    Masked tokens get -inf. Greedy positions are left unscaled (``probabilities``
+    makes them one-hot). Top-p keeps the smallest set of most likely tokens
+    whose probability reaches ``top_p`` (always at least one token).
     """
-    out = logits.float()
-    temperature = torch.where(params.temperature > 0, params.temperature, 1.0)
-    out = out / temperature[:, None, None]
+    out = logits.float() / params.temperature[:, None]
     vocab = out.shape[-1]
     if params.needs_top_k:
-        k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
-        kth = out.topk(int(k.max()), dim=-1).values  # [B, S, kmax], descending
-        threshold = kth.gather(-1, (k - 1)[:, None, None].expand(-1, out.shape[1], 1))
-        out = out.masked_fill(out < threshold, _NEG_INF)
+        widest = min(params.max_top_k, vocab)
+        k = params.top_k.clamp(min=1, max=widest)
+        kth = out.topk(widest, dim=-1).values.gather(-1, (k - 1)[:, None])
+        kth = torch.where(params.top_k > 0, kth[:, 0], _NEG_INF)[:, None]  # 0 = off
+        out = out.masked_fill(out < kth, _NEG_INF)
     if params.needs_top_p:
         sorted_logits, order = out.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p[:, None, None]
+        drop_sorted = mass_before >= params.top_p[:, None]
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, _NEG_INF)
@@ -96,139 +178,201 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
 
 
 def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Processed probabilities [B, S, V] (float32); greedy rows are one-hot at the argmax."""
+    """Processed probabilities [N, V] (float32); greedy positions are one-hot at the argmax."""
     probs = process_logits(logits, params).softmax(dim=-1)
-    if any(params.greedy_rows):
-        greedy = torch.tensor(params.greedy_rows, device=logits.device)
+    if params.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None, None], one_hot, probs)
+        probs = torch.where(params.greedy[:, None], one_hot, probs)
     return probs
 
 
-def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row from probs [B, V], each row with its own generator -> [B] long."""
-    if all(g is None for g in generators):  # global RNG: one batched call
-        return torch.multinomial(probs, 1).squeeze(-1)
-    picks = [
-        torch.multinomial(probs[row], 1, generator=generators[row]) for row in range(probs.shape[0])
-    ]
-    return torch.cat(picks)
+def finite_rows(probs: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the position's distribution is usable (finite, non-negative, positive mass)."""
+    finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
+    return finite & (probs.sum(dim=-1) > 0)
 
 
-def uniform_rows(
-    counts: Sequence[int],
-    width: int,
-    generators: Sequence[torch.Generator | None],
-    device: torch.device,
-) -> torch.Tensor:
-    """[rows, width] uniforms in [0, 1); row i draws only counts[i] from its own generator.
+def sanitize(probs: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Replace unusable rows by a one-hot at token 0, so sampling never raises.
 
-    Drawing exactly as many numbers as the row uses keeps a request's random
-    stream independent of the depths of its batch companions. The unused
-    tail of a row is 1.0 (never below an acceptance ratio, never used).
+    The caller reports such rows as errors (the token is never committed).
     """
-    if all(g is None for g in generators):
-        return torch.rand((len(counts), width), device=device)
-    out = torch.ones((len(counts), width), device=device)
-    for row, count in enumerate(counts):
-        if count:
-            out[row, :count] = torch.rand(count, generator=generators[row], device=device)
+    fallback = torch.zeros_like(probs)
+    fallback[:, 0] = 1.0
+    return torch.where(ok[:, None], probs, fallback)
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [N, V]; seeded rows use their own generator -> [N] long."""
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        index = torch.tensor(shared, device=probs.device)
+        out[index] = torch.multinomial(probs.index_select(0, index), 1).squeeze(-1)
+    for i in seeded:
+        out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
     return out
 
 
-def greedy_verify(
-    draft_token_ids: torch.Tensor, target_argmax: torch.Tensor, num_draft: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy special case, without probabilities.
+def uniforms(
+    layout: FlatLayout, generators: Sequence[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """[D] uniforms in [0, 1), one per flat draft token.
 
-    draft_token_ids [B, K], target_argmax [B, K+1], num_draft [B] (row i uses
-    its first num_draft[i] drafts). Returns (output [B, K+1], num_accepted [B]);
-    row i's committed tokens are output[i, : num_accepted[i] + 1], the rest is -1.
+    A seeded row draws exactly num_draft[r] numbers from its own generator, so
+    its random stream does not depend on its batch companions.
     """
-    k = draft_token_ids.shape[1]
-    positions = torch.arange(k, device=draft_token_ids.device)
-    match = (draft_token_ids == target_argmax[:, :k]) & (positions[None, :] < num_draft[:, None])
-    num_accepted = match.to(torch.long).cumprod(dim=1).sum(dim=1)
-    return _assemble(target_argmax, num_accepted), num_accepted
+    if all(g is None for g in generators):
+        return torch.rand(layout.total_draft, device=device)
+    parts = []
+    for n, generator in zip(layout.num_draft, generators, strict=True):
+        if n:
+            parts.append(torch.rand(n, generator=generator, device=device))
+    return torch.cat(parts) if parts else torch.empty(0, device=device)
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """Device copies of a layout's index vectors (one host-to-device copy)."""
+
+    draft_row: torch.Tensor  # [D]
+    draft_target: torch.Tensor  # [D]
+    draft_offset: torch.Tensor  # [D]
+    target_row: torch.Tensor  # [D + R]
+    num_draft: torch.Tensor  # [R]
+    draft_start: torch.Tensor  # [R]
+    target_start: torch.Tensor  # [R]
+
+    @staticmethod
+    def of(layout: FlatLayout, device: torch.device) -> StepIndex:
+        flat = torch.tensor(
+            [
+                *layout.draft_rows(),
+                *layout.draft_target_index(),
+                *layout.draft_offset(),
+                *layout.target_rows(),
+            ],
+            dtype=torch.long,
+        )
+        per_row = torch.tensor(
+            [layout.num_draft, layout.draft_start, layout.target_start], dtype=torch.long
+        )
+        flat, per_row = flat.to(device), per_row.to(device)
+        d = layout.total_draft
+        return StepIndex(
+            flat[:d],
+            flat[d : 2 * d],
+            flat[2 * d : 3 * d],
+            flat[3 * d :],
+            per_row[0],
+            per_row[1],
+            per_row[2],
+        )
+
+
+def _accepted_counts(accept: torch.Tensor, index: StepIndex, rows: int) -> torch.Tensor:
+    """Per row, the number of leading accepted drafts (the first rejection's offset)."""
+    first_reject = torch.where(accept, index.num_draft[index.draft_row], index.draft_offset)
+    counts = index.num_draft.clone()
+    if first_reject.numel():
+        counts.scatter_reduce_(0, index.draft_row, first_reject, reduce="amin", include_self=True)
+    return counts
+
+
+def _assemble(
+    draft_token_ids: torch.Tensor,
+    num_accepted: torch.Tensor,
+    next_tokens: torch.Tensor,
+    index: StepIndex,
+    layout: FlatLayout,
+) -> torch.Tensor:
+    """[R, K+1]: accepted drafts, then the recovered/bonus token, then -1."""
+    rows, k = layout.rows, layout.max_draft
+    output = torch.full((rows, k + 1), -1, dtype=torch.long, device=num_accepted.device)
+    if draft_token_ids.numel():
+        keep = index.draft_offset < num_accepted[index.draft_row]
+        values = torch.where(keep, draft_token_ids, -1)
+        output[index.draft_row, index.draft_offset] = values
+    output[torch.arange(rows, device=output.device), num_accepted] = next_tokens
+    return output
+
+
+def greedy_verify(
+    draft_token_ids: torch.Tensor, target_argmax: torch.Tensor, index: StepIndex, layout: FlatLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-greedy case, without probabilities.
+
+    draft_token_ids [D]; target_argmax [D + R]. Returns (output [R, K+1],
+    num_accepted [R]); row r commits output[r, : num_accepted[r] + 1].
+    """
+    accept = draft_token_ids == target_argmax.index_select(0, index.draft_target)
+    num_accepted = _accepted_counts(accept, index, layout.rows)
+    next_tokens = target_argmax.index_select(0, index.target_start + num_accepted)
+    return _assemble(draft_token_ids, num_accepted, next_tokens, index, layout), num_accepted
 
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generators: Sequence[torch.Generator | None],
-    num_draft: torch.Tensor | None = None,
+    index: StepIndex,
+    layout: FlatLayout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling (Leviathan et al. / Chen et al.).
+    """Speculative sampling over the flat batch (Leviathan et al. / Chen et al.).
 
-    draft_token_ids [B, K]: tokens the draft sampled from draft_probs.
-    draft_probs [B, K, V]: the draft's processed distributions q.
-    target_probs [B, K+1, V]: the target's processed distributions p, one per
-        draft position plus one after the last draft token (for the bonus).
-    num_draft [B]: how many of the K drafts row i really proposed (default K).
-
-    Draft token j is accepted with probability min(1, p(x)/q(x)), scanning
-    left to right until the first rejection. At a rejection the token is
-    resampled from norm(max(0, p - q)) (recovered); if all are accepted, a
-    bonus token comes from p at position num_draft. Returns (output [B, K+1],
-    num_accepted [B]); row i commits output[i, : num_accepted[i] + 1], and the
-    rest of the row is -1.
+    draft_token_ids [D]: tokens the draft sampled from draft_probs [D, V] (q).
+    target_probs [D + R, V]: the target's processed distributions p.
+    Draft token j of a row is accepted with probability min(1, p(x)/q(x)),
+    left to right until the first rejection; then the recovered token comes
+    from norm(max(0, p - q)), or the bonus token from p when all were accepted.
+    Returns (output [R, K+1], num_accepted [R]); row r commits
+    output[r, : num_accepted[r] + 1], the rest is -1.
     """
-    rows, k = draft_token_ids.shape
-    device = draft_token_ids.device
-    if num_draft is None:
-        num_draft = torch.full((rows,), k, dtype=torch.long, device=device)
-    ids = draft_token_ids[..., None]
-    p_draft = target_probs[:, :k].gather(-1, ids).squeeze(-1)
-    q_draft = draft_probs.gather(-1, ids).squeeze(-1)
-    u = uniform_rows(num_draft.tolist(), k, generators, device)
-    positions = torch.arange(k, device=device)
-    # u < p/q written without the division (q > 0 for a sampled token).
-    accept = (u * q_draft < p_draft) & (positions[None, :] < num_draft[:, None])
-    num_accepted = accept.to(torch.long).cumprod(dim=1).sum(dim=1)
-
-    row_index = torch.arange(rows, device=device)
-    p_next = target_probs[row_index, num_accepted]  # [B, V]
-    rejected = num_accepted < num_draft
-    q_next = draft_probs[row_index, num_accepted.clamp(max=k - 1)] if k > 0 else p_next
-    residual = (p_next - q_next).clamp(min=0.0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    # A zero residual only arises from rounding when p == q; fall back to p.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
-    next_probs = torch.where(rejected[:, None], residual, p_next)
-    next_tokens = sample_rows(next_probs, generators)
-
-    output = draft_token_ids.new_full((rows, k + 1), -1)
-    output[:, :k] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, -1)
-    output[row_index, num_accepted] = next_tokens
-    return output, num_accepted
-
-
-def _assemble(target_tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-    """Greedy output: the target's own tokens up to and including position num_accepted."""
-    positions = torch.arange(target_tokens.shape[1], device=target_tokens.device)
-    return torch.where(positions[None, :] <= num_accepted[:, None], target_tokens, -1)
+    device = target_probs.device
+    rows = layout.rows
+    if layout.total_draft:
+        assert draft_probs is not None
+        ids = draft_token_ids[:, None]
+        p_draft = target_probs.index_select(0, index.draft_target).gather(-1, ids).squeeze(-1)
+        q_draft = draft_probs.gather(-1, ids).squeeze(-1)
+        u = uniforms(layout, generators, device)
+        # u < p/q without the division (q > 0 for a sampled token).
+        accept = u * q_draft < p_draft
+        num_accepted = _accepted_counts(accept, index, rows)
+    else:
+        num_accepted = torch.zeros(rows, dtype=torch.long, device=device)
+    p_next = target_probs.index_select(0, index.target_start + num_accepted)  # [R, V]
+    if layout.total_draft:
+        assert draft_probs is not None
+        rejected = num_accepted < index.num_draft
+        q_index = index.draft_start + torch.minimum(
+            num_accepted, (index.num_draft - 1).clamp(min=0)
+        )
+        q_next = draft_probs.index_select(0, q_index.clamp(max=draft_probs.shape[0] - 1))
+        residual = (p_next - q_next).clamp(min=0.0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        # A zero residual only arises from rounding when p == q; fall back to p.
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+        p_next = torch.where(rejected[:, None], residual, p_next)
+    next_tokens = sample_rows(p_next, generators)
+    return _assemble(draft_token_ids, num_accepted, next_tokens, index, layout), num_accepted
 
 
 def draft_sample(
     logits: torch.Tensor, params: SamplingTensors, generators: Sequence[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample one draft token per row from logits [B, V].
+    """One draft token per row of logits [N, V] -> (tokens [N], processed probs [N, V] or None).
 
-    Returns (tokens [B], processed probs [B, V] or None when every row is
-    greedy, where the tokens are the argmax and no probabilities are needed).
+    All-greedy rows need no probabilities: the token is the argmax. A row
+    whose draft distribution is unusable proposes token 0 with q one-hot
+    there, which stays lossless (the target decides) and never raises.
     """
     if params.all_greedy:
         return logits.argmax(dim=-1), None
-    probs = probabilities(logits[:, None, :], params)[:, 0]
+    probs = probabilities(logits, params)
+    probs = sanitize(probs, finite_rows(probs))
     return sample_rows(probs, generators), probs
-
-
-def target_sample(
-    logits: torch.Tensor, params: SamplingTensors, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """One token per row from the target's logits [B, V] (target-only decoding)."""
-    if params.all_greedy:
-        return logits.argmax(dim=-1)
-    probs = probabilities(logits[:, None, :], params)[:, 0]
-    return sample_rows(probs, generators)

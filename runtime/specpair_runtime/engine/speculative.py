@@ -1,40 +1,43 @@
-"""The speculative decoding engine: batched, lossless, continuous batching.
+"""The speculative decoding engine: one ragged forward per model per step, lossless.
 
-Per step, for the whole running batch at once:
+A step, for every running request at once (``plan.py`` decides the shapes):
 
-1. Admit waiting requests: prefill prompt[:-1] in both models (a separate
-   batched forward), then merge the new rows into the running caches.
-2. Plan depths (``depth.py``). With depth 0 the step is target-only: one
-   target forward over each row's last committed token.
-3. Otherwise the draft runs ``K = max depth`` batched forwards: the first
-   one catches the draft up on committed tokens it has not seen (usually
-   one or two), each next one feeds the token just drafted.
-4. The target scores ``[last committed, d1..dK]`` in ONE batched forward.
-5. Rejection sampling (``sampling.py``) picks each row's accepted prefix
-   plus one recovered or bonus token; both caches roll back per row
-   (``kvcache.py``: holes in a shared batched cache, cropped when common).
-6. Committed tokens go through stop handling (``stopping.py``); finished
-   rows leave the batch.
+1. Admit waiting requests into free KV slots (``kvcache.py``: fixed storage).
+2. One depth ``k`` for the step (``depth.py``); 0 makes it a target-only step.
+3. Draft (only when ``k > 0``): forward 0 is one flat ragged batch in which
+   every decoding row feeds the committed tokens its draft has not seen
+   (usually 1-2) and gets logits for its first draft token, and every other
+   row catches its draft up by a chunk. Forwards 1..k-1 feed one drafted
+   token per row that still drafts. A row near ``max_new_tokens`` drafts
+   fewer tokens (it leaves the later forwards), never wasted ones.
+4. Target: ONE flat forward over every row's tokens: ``[last, d1..dn]`` for a
+   decoding row, a prompt chunk for a prefilling row (the token budget
+   ``max_step_tokens`` bounds the chunks, so admissions never stall the
+   running streams).
+5. Sampling over the flat batch (``sampling.py``): accepted, recovered and
+   bonus tokens; a prefill that reaches its last prompt token samples its
+   first output token. One host sync reads the results.
+6. Commit: each request's lengths advance over its accepted tokens only; a
+   rejected draft is rolled back by not advancing (its positions are
+   overwritten later). Stop handling (``stopping.py``), finished requests
+   free their slots. A request whose probabilities are not finite finishes
+   alone with ``finish_reason="error"``.
 
-Target-only decoding runs through the same forwards, so greedy speculative
-output equals greedy target-only output token for token.
+Target-only decoding runs through the same forwards and the same kernels, so
+on the CPU greedy speculative output equals greedy target-only output token
+for token (on CUDA, up to floating-point numerics: see the golden check).
 
-Sampling with a seed: each request draws random numbers only from its own
-generator, and only as many as its own depth needs, so with a fixed depth
-(``adaptive: false``, ``minDepth == maxDepth``) a seeded request gives the
-same tokens alone or in any batch. Adaptive depth follows measured timings,
-so there a seed fixes the distribution, not the exact tokens.
+Seeds: a request with a seed owns a generator and draws only from it, and
+only as many numbers as its own drafts need, so with a fixed depth it gives
+the same tokens alone or in any batch. Other requests share batched draws
+from torch's global generator (``torch.manual_seed`` makes runs repeatable).
 
-Limits: attention masks with holes are built here (4-D, additive), which
-suits the ``sdpa`` and ``eager`` attention implementations; sliding-window
-attention is not applied to batches with holes (Qwen2.5 has none).
-
-The engine is single-threaded: call ``add_request``/``abort``/``step`` from
-one thread (the server runs it in one executor thread).
+Single-threaded: call ``add_request``/``abort``/``step`` from one thread.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,39 +47,40 @@ from typing import Literal
 import torch
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.engine.api import (
-    FinishReason,
-    RequestStats,
-    SamplingParams,
-    StepEvent,
-)
+from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
-from specpair_runtime.engine.depth import DepthController, next_heuristic_depth
-from specpair_runtime.engine.kvcache import RaggedCache
+from specpair_runtime.engine.depth import DepthController
+from specpair_runtime.engine.kvcache import RowSpan
 from specpair_runtime.engine.loading import LoadedModel
+from specpair_runtime.engine.options import (
+    IDLE_PREFILL_FACTOR,
+    MIN_PREFILL_CHUNK,
+    EngineOptions,
+)
+from specpair_runtime.engine.runner import ModelRunner
 from specpair_runtime.engine.sampling import (
+    FlatLayout,
     SamplingTensors,
+    StepIndex,
     draft_sample,
+    finite_rows,
     greedy_verify,
     probabilities,
     rejection_sample,
-    target_sample,
+    sanitize,
 )
 from specpair_runtime.engine.stopping import OutputStream
 
 KEEP_FINISHED_STATS = 4096
-CATCH_UP_INLINE = 4  # longer draft catch-ups run as a separate prefill forward
 MEMORY_PRESSURE = "memory_pressure"
-
-LogitsWanted = Literal["all", "last", "none"]
 
 
 def validate_params(params: SamplingParams) -> None:
     """Raise ValueError naming the first bad field."""
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if params.temperature < 0 or params.temperature != params.temperature:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
@@ -104,99 +108,89 @@ class _Request:
     id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # only for seeded requests
     stream: OutputStream
-    depth: int  # the request's heuristic depth
     stats: RequestStats = field(default_factory=RequestStats)
     output_ids: list[int] = field(default_factory=list)
-    draft_pending: list[int] = field(default_factory=list)  # committed, not in the draft cache
     started: float = 0.0
+    slot: int = -1
+    target_len: int = 0  # tokens whose KV is in the target's slot
+    draft_len: int = 0  # tokens whose KV is in the draft's slot
 
     @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+    def sequence_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Committed tokens [start, stop) of prompt + output."""
+        prompt = len(self.prompt_ids)
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        if start >= prompt:
+            return self.output_ids[start - prompt : stop - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - prompt]
 
     @property
-    def sequence(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def decoding(self) -> bool:
+        """Only the last committed token is missing from the target's cache."""
+        return self.target_len == self.sequence_len - 1
 
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
 
 
-class _Runner:
-    """One model and how to run it over ragged chunks."""
+@dataclass
+class _Row:
+    """One request's part of this step."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
-        self.loaded = loaded
-        self.model = loaded.model
-        self.device = loaded.device
-        self.dtype = loaded.dtype
-        # out_features also exists on quantized heads, whose .weight is a method.
-        head = self.model.get_output_embeddings()
-        width = getattr(head, "out_features", None)
-        self.vocab = int(width if width is not None else self.model.config.vocab_size)
-        embeddings = self.model.get_input_embeddings()
-        self.embedding_rows = int(getattr(embeddings, "num_embeddings", self.vocab))
+    request: _Request
+    target_tokens: list[int]  # fed to the target (placeholders where drafts go)
+    samples: bool  # the target's logits at the end of this chunk pick tokens
+    num_draft: int = 0
+    draft_tokens: list[int] = field(default_factory=list)  # fed to draft forward 0
+    draft_samples: bool = False  # draft forward 0 yields this row's first draft token
+    accepted: int = 0  # set at commit
 
-    def new_cache(self, rows: int) -> RaggedCache:
-        return RaggedCache(rows, self.device, self.dtype)
 
-    def forward(
-        self,
-        cache: RaggedCache,
-        input_ids: torch.Tensor,
-        chunk_lens: Sequence[int],
-        wanted: LogitsWanted,
-    ) -> torch.Tensor | None:
-        """Append ``input_ids`` [B, W] (row i: first chunk_lens[i] real) to ``cache``.
+def _cuda_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event
 
-        wanted="all": logits [B, W, V]; "last": logits at each row's last real
-        token [B, V]; "none": no logits (prefill).
-        """
-        width = int(input_ids.shape[1])
-        # A draft with fewer embedding rows than the target's logits (vocab
-        # padding) must still read every committed id; past the tokenizer
-        # these ids are junk anyway, and the draft only proposes.
-        input_ids = input_ids.clamp(max=self.embedding_rows - 1)
-        inputs = cache.prepare(chunk_lens, width)
-        uniform = all(n == width for n in chunk_lens)
-        keep = 1 if wanted == "none" or (wanted == "last" and uniform) else 0
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=inputs.position_ids,
-            attention_mask=inputs.attention_mask,
-            cache=cache.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        logits: torch.Tensor = out.logits
-        if wanted == "none":
-            return None
-        if wanted == "all":
-            return logits
-        if uniform:
-            return logits[:, -1]
-        last = torch.tensor([max(n - 1, 0) for n in chunk_lens], device=self.device)
-        return logits[torch.arange(logits.shape[0], device=self.device), last]
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> RaggedCache:
-        """A new cache holding each sequence (right-padded batch, one forward)."""
-        cache = self.new_cache(len(sequences))
-        width = max((len(s) for s in sequences), default=0)
-        if width == 0:
-            return cache
-        ids = torch.zeros((len(sequences), width), dtype=torch.long, device=self.device)
-        for row, seq in enumerate(sequences):
-            if seq:
-                ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-        self.forward(cache, ids, [len(s) for s in sequences], "none")
-        return cache
+class _StepTimer:
+    """Draft and target time of one step without extra host syncs.
+
+    On the CPU wall time is compute time. On CUDA the host runs ahead, so the
+    boundaries are CUDA events, read after the step's one sync.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start = time.perf_counter()
+        self.middle = self.start
+        self.events: list[torch.cuda.Event] = []
+        if self.cuda:
+            self.events.append(_cuda_event())
+
+    def mark(self) -> None:
+        self.middle = time.perf_counter()
+        if self.cuda:
+            self.events.append(_cuda_event())
+
+    def split(self) -> tuple[float, float]:
+        """(seconds before the mark, seconds after it)."""
+        if not self.cuda:
+            return self.middle - self.start, time.perf_counter() - self.middle
+        end = _cuda_event()
+        end.synchronize()  # already reached: the step's results were read
+        start, middle = self.events
+        return start.elapsed_time(middle) / 1e3, middle.elapsed_time(end) / 1e3
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft logits over the target's id range: cut extra rows, pad missing ones with -inf."""
+    """Draft logits over the target's id range: cut extra columns, pad missing ones with -inf."""
     width = logits.shape[-1]
     if width == vocab:
         return logits
@@ -204,14 +198,6 @@ def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
         return logits[..., :vocab]
     pad = logits.new_full((*logits.shape[:-1], vocab - width), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
-
-
-def _ragged_ids(chunks: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(c) for c in chunks)
-    ids = torch.zeros((len(chunks), width), dtype=torch.long)
-    for row, chunk in enumerate(chunks):
-        ids[row, : len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
-    return ids.to(device)
 
 
 class SpeculativeEngine:
@@ -228,6 +214,7 @@ class SpeculativeEngine:
         knobs: SpeculationKnobs,
         *,
         speculation_refused: str | None = None,
+        options: EngineOptions | None = None,
         cpu_kernels: Literal["onednn", "default"] = "onednn",
     ) -> None:
         """``cpu_kernels="onednn"`` switches the fp32 linears of both models to
@@ -237,14 +224,20 @@ class SpeculativeEngine:
                 f"draft device {draft.device} differs from target device {target.device}: "
                 "the pair is never split across devices"
             )
+        self.options = options or EngineOptions()
         if cpu_kernels == "onednn":
             for loaded in (target, draft):
                 if loaded is not None and loaded.device.type == "cpu":
                     use_onednn_linears(loaded.model)
-        self.target = _Runner(target)
-        self.draft = _Runner(draft) if draft is not None else None
+        slots, length = self.options.max_slots, self.options.max_length
+        graphs = self.options.cuda_graphs
+        self.target = ModelRunner(target, slots, length, cuda_graphs=graphs)
+        self.draft = (
+            ModelRunner(draft, slots, length, cuda_graphs=graphs) if draft is not None else None
+        )
         self.tokenizer = target.tokenizer
         self.device = target.device
+        self.step_tokens = self.options.step_tokens(self.device)
         self.knobs = knobs
         self.refused = speculation_refused
         self.controller = DepthController(knobs)
@@ -252,11 +245,8 @@ class SpeculativeEngine:
         self._paused: str | None = None
         self._floor_reason: str | None = None
         self._waiting: list[_Request] = []
-        self._running: list[_Request] = []
-        self._target_cache = self.target.new_cache(0)
-        self._draft_cache: RaggedCache | None = (
-            self.draft.new_cache(0) if self.draft is not None else None
-        )
+        self._running: list[_Request] = []  # admission order
+        self._free_slots = list(range(slots))
         self._done: OrderedDict[str, RequestStats] = OrderedDict()
         # Target-only steps by reason: no_draft, refused, disabled, a pause reason,
         # acceptance_floor, batch_size, probe (cost measurement), not_paying.
@@ -272,14 +262,19 @@ class SpeculativeEngine:
         if bad:
             raise ValueError(f"prompt_ids: token id {bad[0]} is outside [0, {self.target.vocab})")
         validate_params(params)
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.options.max_length:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {total} exceeds the engine's max length "
+                f"{self.options.max_length}"
+            )
         if self._find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed
-        if seed is None:
-            # From torch's global generator, so torch.manual_seed makes runs repeatable.
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
         stream = OutputStream(
             self.tokenizer,
             prompt_ids,
@@ -293,7 +288,6 @@ class SpeculativeEngine:
             params=params,
             generator=generator,
             stream=stream,
-            depth=self.knobs.max_depth,
             started=time.perf_counter(),
         )
         self._done.pop(request_id, None)
@@ -305,9 +299,9 @@ class SpeculativeEngine:
                 del self._waiting[index]
                 self._finish_stats(request)
                 return
-        for index, request in enumerate(self._running):
+        for request in self._running:
             if request.id == request_id:
-                self._remove_rows([index])
+                self._release(request)
                 self._finish_stats(request)
                 return
 
@@ -326,13 +320,13 @@ class SpeculativeEngine:
         self.knobs = knobs
         self.controller.update_knobs(knobs)
         self._floor_reason = None
-        for request in [*self._waiting, *self._running]:
-            request.depth = max(knobs.min_depth, min(request.depth, knobs.max_depth))
 
     def set_speculation_paused(self, reason: str | None) -> None:
         self._paused = reason
-        if reason == MEMORY_PRESSURE and self.draft is not None:
-            self._draft_cache = None  # freed; rebuilt lazily on resume
+        if reason == MEMORY_PRESSURE and self.draft is not None and self.draft.storage is not None:
+            self.draft.free()  # reallocated, and caught up in chunks, on resume
+            for request in self._running:
+                request.draft_len = 0
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -373,22 +367,24 @@ class SpeculativeEngine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def draft_storage_allocated(self) -> bool:
+        return self.draft is not None and self.draft.storage is not None
+
     def step(self) -> list[StepEvent]:
         with torch.inference_mode():
             self._admit()
             if not self._running:
                 return []
-            depths, reason = self._plan()
-            self.last_step_depth = max(depths, default=0)
-            if self.last_step_depth == 0:
-                if reason is not None:
-                    self.fallback_counts[reason] = self.fallback_counts.get(reason, 0) + 1
-                commits = self._target_only_step(reason)
-            else:
-                commits = self._speculative_step(depths)
-            return self._commit(commits)
+            depth, reason = self._plan_depth()
+            rows = self._plan_rows(depth)
+            decoding = [r for r in rows if r.request.decoding and r.samples]
+            self.last_step_depth = max((r.num_draft for r in rows), default=0)
+            if depth == 0 and reason is not None and decoding:
+                self.fallback_counts[reason] = self.fallback_counts.get(reason, 0) + 1
+            return self._run(rows, depth, reason)
 
-    # ---- internals ------------------------------------------------------------
+    # ---- planning -------------------------------------------------------------
 
     def _find(self, request_id: str) -> _Request | None:
         for request in [*self._waiting, *self._running]:
@@ -402,203 +398,337 @@ class SpeculativeEngine:
         while len(self._done) > KEEP_FINISHED_STATS:
             self._done.popitem(last=False)
 
-    def _remove_rows(self, indices: Sequence[int]) -> None:
-        gone = set(indices)
-        keep = [i for i in range(len(self._running)) if i not in gone]
-        self._running = [self._running[i] for i in keep]
-        self._target_cache.select(keep)
-        if self._draft_cache is not None:
-            self._draft_cache.select(keep)
+    def _release(self, request: _Request) -> None:
+        self._running.remove(request)
+        self._free_slots.append(request.slot)
+        self._free_slots.sort()
+        request.slot = -1
 
     def _admit(self) -> None:
-        """Prefill waiting requests and merge them into the running batch."""
-        if not self._waiting:
-            return
-        new, self._waiting = self._waiting, []
         now = time.perf_counter()
-        for request in new:
+        while self._waiting and self._free_slots:
+            request = self._waiting.pop(0)
+            request.slot = self._free_slots.pop(0)
             request.started = min(request.started, now)
-        contexts = [r.prompt_ids[:-1] for r in new]
-        self._target_cache.merge(self.target.prefill(contexts))
-        if self.draft is not None and self._draft_cache is not None:
-            if self.speculation_active:
-                self._draft_cache.merge(self.draft.prefill(contexts))
-                for request in new:
-                    request.draft_pending = [request.prompt_ids[-1]]
-            else:  # catch up later, only if speculation comes back
-                self._draft_cache.merge(self.draft.new_cache(len(new)))
-                for request in new:
-                    request.draft_pending = list(request.prompt_ids)
-        self._running.extend(new)
+            self._running.append(request)
 
-    def _plan(self) -> tuple[list[int], str | None]:
-        """Per-row depths for this step, and why they are all 0 if they are."""
+    def _plan_depth(self) -> tuple[int, str | None]:
+        """The step's draft depth, and why it is 0 if it is."""
         off = self.speculation_off_reason
         if off is not None:
-            return [0] * len(self._running), self._off_label()
-        plan = self.controller.plan(len(self._running))
-        if plan.cap == 0:
-            return [0] * len(self._running), plan.reason
-        depths = [max(0, min(r.depth, plan.cap, r.remaining - 1)) for r in self._running]
-        return depths, None
+            return 0, self._off_label()
+        decoding = sum(1 for r in self._running if r.decoding)
+        plan = self.controller.plan(max(decoding, 1))
+        return plan.cap, plan.reason
 
-    def _sampling(self) -> SamplingTensors:
-        params = [r.params for r in self._running]
-        return SamplingTensors.build(
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            self.device,
+    def _plan_rows(self, depth: int) -> list[_Row]:
+        """Every running request's tokens for this step, within the token budget.
+
+        Decoding rows always run (the streams never wait); prefill chunks fill
+        what the budget leaves, first come first served, at least
+        ``MIN_PREFILL_CHUNK`` tokens (``IDLE_PREFILL_FACTOR`` budgets when no
+        row decodes). The draft gets its own budget of the same size for
+        catch-up chunks.
+        """
+        budget = self.step_tokens
+        draft_budget = self.step_tokens
+        rows: list[_Row] = []
+        for request in self._running:
+            if not request.decoding:
+                continue
+            last = request.tokens(request.sequence_len - 1, request.sequence_len)
+            row = _Row(request, last, samples=True)
+            if depth > 0:
+                wanted = min(depth, request.remaining - 1)
+                pending = request.sequence_len - request.draft_len
+                if wanted > 0 and pending <= max(draft_budget, 1):
+                    row.num_draft = wanted
+                    row.draft_tokens = request.tokens(request.draft_len, request.sequence_len)
+                    row.draft_samples = True
+                    draft_budget -= pending
+            budget -= 1 + row.num_draft
+            rows.append(row)
+        if not rows:  # nothing decodes: nobody waits on this step
+            budget = self.step_tokens * IDLE_PREFILL_FACTOR
+        first_prefill = True
+        for request in self._running:
+            if request.decoding:
+                continue
+            pending = request.sequence_len - request.target_len
+            room = max(budget, MIN_PREFILL_CHUNK if first_prefill else 0)
+            size = min(pending, room)
+            if size <= 0:
+                continue
+            first_prefill = False
+            budget -= size
+            start = request.target_len
+            rows.append(_Row(request, request.tokens(start, start + size), size == pending))
+        if depth > 0:  # drafts of rows that do not draft now catch up in chunks
+            for row in rows:
+                request = row.request
+                if row.draft_samples:
+                    continue
+                lag = request.sequence_len - 1 - request.draft_len
+                size = min(lag, max(draft_budget, 0))
+                if size > 0:
+                    row.draft_tokens = request.tokens(request.draft_len, request.draft_len + size)
+                    draft_budget -= size
+        rows.sort(key=lambda r: r.request.slot)
+        return rows
+
+    # ---- running ----------------------------------------------------------------
+
+    def _sampling(self, rows: Sequence[_Row], per_row: Sequence[int]) -> SamplingTensors:
+        temps, top_ks, top_ps = [], [], []
+        for row, count in zip(rows, per_row, strict=True):
+            p = row.request.params
+            temps += [p.temperature] * count
+            top_ks += [p.top_k] * count
+            top_ps += [p.top_p] * count
+        return SamplingTensors.build(temps, top_ks, top_ps, self.device)
+
+    def _draft(self, rows: list[_Row], depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the draft's forwards; returns flat draft tokens [D] and probs [D, V] or None."""
+        assert self.draft is not None
+        drafting = [r for r in rows if r.num_draft > 0]
+        layout = FlatLayout.of([r.num_draft for r in drafting])
+        total = layout.total_draft
+        vocab = self.target.vocab
+        tokens = torch.empty(total, dtype=torch.long, device=self.device)
+        probs: torch.Tensor | None = None
+        generators = [r.request.generator for r in drafting]
+        params = self._sampling(drafting, [1] * len(drafting))
+        # Forward 0: catch-up chunks for every row with draft tokens.
+        spans: list[RowSpan] = []
+        ids: list[int] = []
+        sample_at: list[int] = []
+        for row in rows:
+            if not row.draft_tokens:
+                continue
+            request = row.request
+            spans.append(RowSpan(request.slot, len(ids), len(row.draft_tokens), request.draft_len))
+            ids += row.draft_tokens
+            if row.draft_samples:
+                sample_at.append(len(ids) - 1)
+        if not spans:
+            return tokens, probs
+        logits = self.draft.forward(
+            spans, self._ids(ids), self._ids(sample_at) if sample_at else None
         )
-
-    def _target_only_step(self, reason: str | None) -> list[tuple[list[int], int, int]]:
-        rows = len(self._running)
-        started = time.perf_counter()
-        ids = torch.tensor([[r.last_token] for r in self._running], device=self.device)
-        logits = self.target.forward(self._target_cache, ids, [1] * rows, "last")
-        assert logits is not None
-        generators = [r.generator for r in self._running]
-        tokens = target_sample(logits.float(), self._sampling(), generators).tolist()
-        self.controller.cost.record_verify(rows, 1, time.perf_counter() - started)
-        self.controller.record_target_only_step(reason)
-        if self.draft is not None:
-            for request, token in zip(self._running, tokens, strict=True):
-                request.draft_pending.append(token)
-        return [([token], 0, 0) for token in tokens]
-
-    def _ensure_draft_cache(self) -> RaggedCache:
-        assert self.draft is not None
-        if self._draft_cache is None:  # freed under memory pressure: re-prefill
-            self._draft_cache = self.draft.prefill([r.sequence[:-1] for r in self._running])
-            for request in self._running:
-                request.draft_pending = [request.last_token]
-        return self._draft_cache
-
-    def _speculative_step(self, depths: list[int]) -> list[tuple[list[int], int, int]]:
-        assert self.draft is not None
-        draft_cache = self._ensure_draft_cache()
-        rows, k = len(self._running), max(depths)
-        params = self._sampling()
-        generators = [r.generator for r in self._running]
-        cuda = self.device.type == "cuda"
-
-        # Draft: K batched forwards; the first also catches up on committed tokens.
-        chunks = [r.draft_pending for r in self._running]
-        if max(len(c) for c in chunks) > CATCH_UP_INLINE:
-            # A long catch-up (after target-only steps) is a prefill: no logits.
-            catch_up = [c[:-1] for c in chunks]
-            self.draft.forward(
-                draft_cache, _ragged_ids(catch_up, self.device), [len(c) for c in catch_up], "none"
-            )
-            chunks = [c[-1:] for c in chunks]
-        started = time.perf_counter()
-        inputs = _ragged_ids(chunks, self.device)
-        chunk_lens = [len(c) for c in chunks]
-        draft_tokens: list[torch.Tensor] = []
-        draft_probs: list[torch.Tensor | None] = []
-        for position in range(k):
-            logits = self.draft.forward(draft_cache, inputs, chunk_lens, "last")
+        for position in range(depth):
+            active = [i for i, r in enumerate(drafting) if r.num_draft > position]
+            if not active:
+                break
             assert logits is not None
-            # Rows already past their depth draft junk from the global RNG, so a
-            # request's own random stream does not depend on its companions.
-            row_generators = [
-                g if d > position else None for g, d in zip(generators, depths, strict=True)
-            ]
-            tokens, probs = draft_sample(
-                _fit_vocab(logits, self.target.vocab), params, row_generators
+            if len(active) < len(drafting):
+                index = self._ids(active)
+                step_params = params.select(index, active)
+            else:
+                step_params = params
+            drafted, step_probs = draft_sample(
+                _fit_vocab(logits, vocab), step_params, [generators[i] for i in active]
             )
-            draft_tokens.append(tokens)
-            draft_probs.append(probs)
-            if position + 1 < k:
-                inputs, chunk_lens = tokens[:, None], [1] * rows
-        drafted = torch.stack(draft_tokens, dim=1)  # [B, K]
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        draft_done = time.perf_counter()
+            where = self._ids([layout.draft_start[i] + position for i in active])
+            tokens[where] = drafted
+            if step_probs is not None:
+                if probs is None:
+                    probs = torch.zeros((total, vocab), dtype=torch.float32, device=self.device)
+                probs[where] = step_probs
+            following = [i for i in active if drafting[i].num_draft > position + 1]
+            if not following:
+                break
+            keep = [active.index(i) for i in following]
+            next_ids = (
+                drafted.index_select(0, self._ids(keep)) if len(keep) < len(active) else drafted
+            )
+            spans = [
+                RowSpan(
+                    drafting[i].request.slot,
+                    j,
+                    1,
+                    drafting[i].request.sequence_len + position,
+                )
+                for j, i in enumerate(following)
+            ]
+            logits = self.draft.forward(spans, next_ids, self._ids(list(range(len(following)))))
+        return tokens, probs
 
-        # Verify: one target forward over [last committed, d1..dK].
-        last = torch.tensor([[r.last_token] for r in self._running], device=self.device)
-        verify_ids = torch.cat([last, drafted], dim=1)
-        target_logits = self.target.forward(
-            self._target_cache, verify_ids, [1 + d for d in depths], "all"
+    def _ids(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _run(self, rows: list[_Row], depth: int, reason: str | None) -> list[StepEvent]:
+        timer = _StepTimer(self.device)
+        draft_tokens, draft_probs = (
+            self._draft(rows, depth)
+            if depth > 0 and self.draft is not None
+            else (torch.empty(0, dtype=torch.long, device=self.device), None)
         )
-        assert target_logits is not None
-        num_draft = torch.tensor(depths, device=self.device)
-        if params.all_greedy:
-            output, accepted = greedy_verify(drafted, target_logits.argmax(dim=-1), num_draft)
-        else:
-            q = torch.stack([p for p in draft_probs if p is not None], dim=1)
-            p = probabilities(target_logits, params)
-            output, accepted = rejection_sample(drafted, q, p, generators, num_draft)
-        output_rows: list[list[int]] = output.tolist()
-        accepted_rows: list[int] = accepted.tolist()
-        verify_done = time.perf_counter()
-
-        # Roll both caches back to the accepted prefixes.
-        self._target_cache.rollback([n + 1 for n in accepted_rows], k + 1)
-        if k > 1:
-            draft_cache.rollback([min(n, k - 1) for n in accepted_rows], k - 1)
-        commits = []
-        for request, row, n, depth in zip(
-            self._running, output_rows, accepted_rows, depths, strict=True
-        ):
-            committed = row[: n + 1]
-            request.draft_pending = ([row[k - 1]] if n == k else []) + [committed[-1]]
-            commits.append((committed, depth, n))
-
-        cost = self.controller.cost
-        cost.record_draft(rows, (draft_done - started) / k)
-        cost.record_verify(rows, k + 1, verify_done - draft_done)
-        for depth, n in zip(depths, accepted_rows, strict=True):
-            if depth:
-                cost.record_acceptance(depth, n)
-        self.controller.record_speculation_step(sum(depths), sum(accepted_rows))
-        if self._floor_reason is None:
-            self._floor_reason = self.controller.floor_verdict()
-        self._target_cache.maybe_compact()
-        draft_cache.maybe_compact()
-        return commits
-
-    def _commit(self, commits: list[tuple[list[int], int, int]]) -> list[StepEvent]:
-        events: list[StepEvent] = []
-        finished_rows: list[int] = []
-        now = time.perf_counter()
-        for index, (request, (tokens, drafted, accepted)) in enumerate(
-            zip(self._running, commits, strict=True)
-        ):
-            pushed = request.stream.push(tokens)
-            request.output_ids.extend(pushed.token_ids)
-            stats = request.stats
-            stats.target_passes += 1
-            stats.generated_tokens += len(pushed.token_ids)
-            if drafted:
-                stats.drafted_tokens += drafted
-                stats.accepted_tokens += accepted
-                stats.speculation_steps += 1
-                while len(stats.accepted_per_position) < drafted:
-                    stats.accepted_per_position.append(0)
-                for position in range(accepted):
-                    stats.accepted_per_position[position] += 1
-                request.depth = next_heuristic_depth(request.depth, drafted, accepted, self.knobs)
-            stats.elapsed_seconds = now - request.started
-            reason: FinishReason | None = pushed.finish_reason
-            events.append(
-                StepEvent(
-                    request_id=request.id,
-                    token_ids=pushed.token_ids,
-                    text=pushed.text,
-                    drafted=drafted,
-                    accepted=accepted,
-                    finished=reason is not None,
-                    finish_reason=reason,
+        timer.mark()  # the draft is done
+        sampling_rows = [r for r in rows if r.samples]
+        layout = FlatLayout.of([r.num_draft for r in sampling_rows])
+        # The target's flat batch; drafted tokens are placed on the device.
+        spans: list[RowSpan] = []
+        ids: list[int] = []
+        sample_at: list[int] = []
+        draft_at: list[int] = []
+        for row in rows:
+            request = row.request
+            start = len(ids)
+            spans.append(
+                RowSpan(
+                    request.slot, start, len(row.target_tokens) + row.num_draft, request.target_len
                 )
             )
-            if reason is not None:
-                finished_rows.append(index)
-                self._finish_stats(request)
-        if finished_rows:
-            self._remove_rows(finished_rows)
+            ids += row.target_tokens
+            if row.num_draft:
+                draft_at += range(len(ids), len(ids) + row.num_draft)
+                ids += [0] * row.num_draft
+            if row.samples:
+                first = len(ids) - 1 - row.num_draft
+                sample_at += range(first, len(ids))
+        flat_ids = self._ids(ids)
+        if draft_at:
+            flat_ids[self._ids(draft_at)] = draft_tokens
+        logits = self.target.forward(spans, flat_ids, self._ids(sample_at) if sample_at else None)
+        events: list[StepEvent] = []
+        if logits is not None:
+            events = self._sample_and_commit(
+                sampling_rows, layout, logits, draft_tokens, draft_probs
+            )
+        draft_seconds, verify_seconds = timer.split()  # after the step's sync
+        self._advance_prefills(rows)
+        self._record(rows, depth, reason, draft_seconds, verify_seconds)
         return events
+
+    def _sample_and_commit(
+        self,
+        rows: list[_Row],
+        layout: FlatLayout,
+        logits: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+    ) -> list[StepEvent]:
+        index = StepIndex.of(layout, self.device)
+        params = self._sampling(rows, [n + 1 for n in layout.num_draft])
+        generators = [r.request.generator for r in rows]
+        if draft_probs is None and layout.total_draft and not params.all_greedy:
+            # Greedy drafting rows beside sampled ones: q is one-hot at the draft token.
+            draft_probs = torch.zeros(
+                (layout.total_draft, logits.shape[-1]), dtype=torch.float32, device=self.device
+            ).scatter_(1, draft_tokens[:, None], 1.0)
+        if params.all_greedy:
+            position_ok = torch.isfinite(logits).all(dim=-1)
+            output, accepted = greedy_verify(draft_tokens, logits.argmax(dim=-1), index, layout)
+        else:
+            probs = probabilities(logits, params)
+            position_ok = finite_rows(probs)
+            probs = sanitize(probs, position_ok)
+            output, accepted = rejection_sample(
+                draft_tokens, draft_probs, probs, generators, index, layout
+            )
+        row_ok = torch.ones(layout.rows, dtype=torch.long, device=self.device)
+        row_ok.scatter_reduce_(0, index.target_row, position_ok.long(), reduce="amin")
+        # The one host sync of the step.
+        packed = torch.cat([output.flatten(), accepted, row_ok]).tolist()
+        width = layout.max_draft + 1
+        events = []
+        for r, row in enumerate(rows):
+            tokens = packed[r * width : (r + 1) * width]
+            n = packed[layout.rows * width + r]
+            ok = packed[layout.rows * width + layout.rows + r]
+            events.append(self._commit(row, tokens[: n + 1], n, bool(ok)))
+        return events
+
+    def _commit(self, row: _Row, tokens: list[int], accepted: int, ok: bool) -> StepEvent:
+        request = row.request
+        before = request.sequence_len
+        stats = request.stats
+        stats.target_passes += 1
+        if not ok:
+            self._release(request)
+            self._finish_stats(request)
+            return StepEvent(
+                request_id=request.id,
+                token_ids=[],
+                text="",
+                drafted=0,
+                accepted=0,
+                finished=True,
+                finish_reason="error",
+                error="the target's probabilities are not finite for this request",
+            )
+        row.accepted = accepted
+        # The accepted prefix is valid in both caches; the rest is overwritten later.
+        request.target_len = before + accepted
+        if row.num_draft:
+            request.draft_len = before + min(accepted, row.num_draft - 1)
+        elif row.draft_tokens:
+            request.draft_len += len(row.draft_tokens)
+        pushed = request.stream.push(tokens)
+        request.output_ids.extend(pushed.token_ids)
+        stats.generated_tokens += len(pushed.token_ids)
+        if row.num_draft:
+            stats.drafted_tokens += row.num_draft
+            stats.accepted_tokens += accepted
+            stats.speculation_steps += 1
+            while len(stats.accepted_per_position) < row.num_draft:
+                stats.accepted_per_position.append(0)
+            for position in range(accepted):
+                stats.accepted_per_position[position] += 1
+        stats.elapsed_seconds = time.perf_counter() - request.started
+        reason: FinishReason | None = pushed.finish_reason
+        if reason is not None:
+            self._release(request)
+            self._finish_stats(request)
+        return StepEvent(
+            request_id=request.id,
+            token_ids=pushed.token_ids,
+            text=pushed.text,
+            drafted=row.num_draft,
+            accepted=accepted,
+            finished=reason is not None,
+            finish_reason=reason,
+        )
+
+    def _advance_prefills(self, rows: list[_Row]) -> None:
+        """Rows that did not sample: their chunks are now in the caches."""
+        for row in rows:
+            if row.samples:
+                continue
+            row.request.target_len += len(row.target_tokens)
+            row.request.draft_len += len(row.draft_tokens)
+
+    def _record(
+        self,
+        rows: list[_Row],
+        depth: int,
+        reason: str | None,
+        draft_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        """Feed the depth controller: timings of pure decode steps, acceptance, the floor."""
+        drafting = [r for r in rows if r.num_draft > 0]
+        pure = all(r.samples and len(r.target_tokens) == 1 for r in rows)
+        cost = self.controller.cost
+        batch = len(rows)
+        if depth == 0:
+            if pure:
+                cost.record_verify(batch, 1, verify_seconds)
+            self.controller.record_target_only_step(reason)
+            return
+        if not drafting:
+            return
+        if pure and len(drafting) == batch and all(r.num_draft == depth for r in drafting):
+            cost.record_draft(batch, draft_seconds / depth)
+            cost.record_verify(batch, depth + 1, verify_seconds)
+        drafted = accepted = 0
+        for row in drafting:
+            drafted += row.num_draft
+            accepted += row.accepted
+            cost.record_acceptance(row.num_draft, row.accepted)
+        self.controller.record_speculation_step(drafted, accepted)
+        if self._floor_reason is None:
+            self._floor_reason = self.controller.floor_verdict()
 
 
 @dataclass(frozen=True)

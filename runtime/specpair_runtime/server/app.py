@@ -6,27 +6,24 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specpair_runtime.engine.api import FinishReason, SamplingParams
-from specpair_runtime.server.auth import authorized
-from specpair_runtime.server.errors import (
-    APIError,
-    api_error_handler,
-    error_response,
-    http_error_handler,
-    validation_error_handler,
-)
+from specpair_runtime.server.errors import APIError, error_response, install_error_handlers
+from specpair_runtime.server.gate import GateMiddleware, caller_of
 from specpair_runtime.server.generation import Generation, GenerationError
 from specpair_runtime.server.metrics import CONTENT_TYPE
+from specpair_runtime.server.prompts import (
+    encode_chat,
+    encode_text,
+    longest_token_chars,
+    max_prompt_chars,
+)
 from specpair_runtime.server.queueing import QueueFull
 from specpair_runtime.server.scheduler import Scheduler
 from specpair_runtime.server.schemas import (
@@ -46,46 +43,20 @@ from specpair_runtime.server.streaming import chat_chunks, completion_chunks
 log = logging.getLogger("specpair.server")
 
 
-class GateMiddleware:
-    """For /v1/*: 503 while draining, 401 without the key, and in-flight counting.
-
-    A plain ASGI middleware (not BaseHTTPMiddleware) so that the count covers
-    a streaming body until its last byte.
-    """
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope["path"]).startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        state = self.state
-        if state.draining:
-            response = error_response(503, "server is shutting down", code="shutting_down")
-            await response(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        header = headers.get(b"authorization")
-        if not authorized(header.decode("latin-1") if header else None, state.api_key):
-            response = error_response(401, "missing or invalid API key", code="invalid_api_key")
-            response.headers["WWW-Authenticate"] = "Bearer"
-            await response(scope, receive, send)
-            return
-        state.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            state.in_flight -= 1
-            if state.in_flight == 0 and state.idle is not None:
-                state.idle.set()
+def _queue_full(error: QueueFull) -> APIError:
+    return APIError(429, f"{error}; retry later", code="queue_full")
 
 
 def _serving(state: ServerState) -> Scheduler:
+    """The scheduler, when ready and its queue has room (checked again on submit)."""
     readiness = state.readiness.state
     if not readiness.ready or state.scheduler is None:
         raise APIError(503, f"not ready: {readiness.phase}: {readiness.reason}", code="not_ready")
+    try:
+        # Before tokenizing: a full queue must not cost a prompt's CPU first.
+        state.scheduler.check_room()
+    except QueueFull as error:
+        raise _queue_full(error) from None
     return state.scheduler
 
 
@@ -99,16 +70,59 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _encode_text(tokenizer: Any, text: str) -> list[int]:
-    return [int(i) for i in tokenizer(text).input_ids]
+def _priority(request: Request, asked: int | None) -> int:
+    """The request's priority: its key's class, or lower when it asks for lower."""
+    caller = caller_of(request.scope)
+    if asked is None:
+        return caller.max_priority
+    if asked > caller.max_priority:
+        raise APIError(
+            403,
+            f"priority: {asked} is above the {caller.max_priority} this API key may use; "
+            "a request may lower its priority, never raise it",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return asked
 
 
-def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
+def _prompt_chars_limit(state: ServerState) -> int:
+    if state.max_prompt_chars is None:
+        token_chars = longest_token_chars(state.tokenizer)
+        state.max_prompt_chars = max_prompt_chars(state.max_model_length, token_chars)
+    return state.max_prompt_chars
+
+
+def _too_long(state: ServerState, chars: int, field: str) -> APIError:
+    return APIError(
+        400,
+        f"{field}: {chars} characters cannot fit the max model length of "
+        f"{state.max_model_length} tokens",
+        param=field,
+        code="context_length_exceeded",
+    )
+
+
+def _tokenize_prompt(state: ServerState, text: str) -> list[int]:
+    """On a worker thread: the cheap length bound first, then the tokenizer."""
+    if len(text) > _prompt_chars_limit(state):
+        raise _too_long(state, len(text), "prompt")
+    return encode_text(state.tokenizer, text)
+
+
+def _tokenize_chat(state: ServerState, messages: list[tuple[str, str]]) -> list[int]:
+    if not getattr(state.tokenizer, "chat_template", None):
         raise APIError(400, "messages: the model has no chat template", param="messages")
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes its own special tokens; don't add them twice.
-    return [int(i) for i in tokenizer(rendered, add_special_tokens=False).input_ids]
+    chars = sum(len(text) for _, text in messages)
+    if chars > _prompt_chars_limit(state):
+        raise _too_long(state, chars, "messages")
+    try:
+        return encode_chat(state.tokenizer, messages)
+    except TemplateError as error:
+        # The template's own words (e.g. "roles must alternate"), not ours: safe to pass on.
+        raise APIError(
+            400, f"messages: the chat template refused them: {error}", param="messages"
+        ) from None
 
 
 def _sampling(
@@ -131,15 +145,15 @@ def _sampling(
             code="context_length_exceeded",
         )
     room = limit - prompt_len
-    max_tokens = body.max_tokens
+    max_tokens, field = body.token_limit()
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     elif max_tokens > room:
         raise APIError(
             400,
-            f"max_tokens: {max_tokens} is out of range; with a {prompt_len}-token prompt at "
+            f"{field}: {max_tokens} is out of range; with a {prompt_len}-token prompt at "
             f"most {room} fit in the max model length of {limit}",
-            param="max_tokens",
+            param=field,
             code="context_length_exceeded",
         )
     return SamplingParams(
@@ -165,11 +179,7 @@ def _start(
     try:
         generation.submit()
     except QueueFull as error:
-        raise APIError(
-            429,
-            f"{error}; retry later",
-            code="queue_full",
-        ) from None
+        raise _queue_full(error) from None
     return generation
 
 
@@ -181,13 +191,17 @@ async def _watch_disconnect(request: Request, disconnected: asyncio.Event) -> No
         await asyncio.sleep(0.1)
 
 
-async def _collect(request: Request, generation: Generation) -> tuple[str, FinishReason]:
+async def _collect(
+    request: Request, generation: Generation
+) -> tuple[str, FinishReason] | JSONResponse:
+    """The whole text, or the error answer when the generation failed."""
     disconnected = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_disconnect(request, disconnected))
     try:
         return await generation.collect(disconnected)
     except GenerationError as error:
-        raise APIError(500, str(error)) from None
+        # Counted and logged (with the detail) by the scheduler already.
+        return error_response(error.status, error.public_message, code=error.code)
     finally:
         watcher.cancel()
 
@@ -195,9 +209,7 @@ async def _collect(request: Request, generation: Generation) -> tuple[str, Finis
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specpair runtime", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(GateMiddleware, state=state)
-    app.add_exception_handler(APIError, api_error_handler)
-    app.add_exception_handler(RequestValidationError, validation_error_handler)
-    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    install_error_handlers(app, state.metrics)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -212,10 +224,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
+    def card() -> ModelCard:
         config = state.config
-        card = ModelCard(
+        return ModelCard(
             id=state.model_id,
             created=int(time.time()),
             pair=config.pair.name,
@@ -223,24 +234,38 @@ def create_app(state: ServerState) -> FastAPI:
             target=config.target.source,
             draft=config.draft.source,
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        _check_model(state, model_id)
+        return card()
 
     @app.post("/v1/completions", response_model=None)
     async def completions(
         body: CompletionRequest, request: Request
-    ) -> CompletionResponse | EventSourceResponse:
+    ) -> CompletionResponse | EventSourceResponse | JSONResponse:
         scheduler = _serving(state)
         _check_model(state, body.model)
-        prompt_ids = await run_in_threadpool(_encode_text, state.tokenizer, body.prompt)
+        priority = _priority(request, body.priority)
+        prompt_ids = await run_in_threadpool(_tokenize_prompt, state, body.prompt)
         params = _sampling(state, body, len(prompt_ids), "prompt", default_max_tokens=16)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = _start(state, scheduler, request_id, prompt_ids, params, body.priority)
+        generation = _start(state, scheduler, request_id, prompt_ids, params, priority)
         created = int(time.time())
         if body.stream:
             return EventSourceResponse(
-                completion_chunks(generation, request_id, created, state.model_id)
+                completion_chunks(
+                    generation, request_id, created, state.model_id, body.include_usage
+                )
             )
-        text, finish = await _collect(request, generation)
+        collected = await _collect(request, generation)
+        if isinstance(collected, JSONResponse):
+            return collected
+        text, finish = collected
         return CompletionResponse(
             id=request_id,
             created=created,
@@ -253,18 +278,24 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         body: ChatCompletionRequest, request: Request
-    ) -> ChatCompletionResponse | EventSourceResponse:
+    ) -> ChatCompletionResponse | EventSourceResponse | JSONResponse:
         scheduler = _serving(state)
         _check_model(state, body.model)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        prompt_ids = await run_in_threadpool(_encode_chat, state.tokenizer, messages)
+        priority = _priority(request, body.priority)
+        messages = [(m.template_role, m.text) for m in body.messages]
+        prompt_ids = await run_in_threadpool(_tokenize_chat, state, messages)
         params = _sampling(state, body, len(prompt_ids), "messages", default_max_tokens=None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = _start(state, scheduler, request_id, prompt_ids, params, body.priority)
+        generation = _start(state, scheduler, request_id, prompt_ids, params, priority)
         created = int(time.time())
         if body.stream:
-            return EventSourceResponse(chat_chunks(generation, request_id, created, state.model_id))
-        text, finish = await _collect(request, generation)
+            return EventSourceResponse(
+                chat_chunks(generation, request_id, created, state.model_id, body.include_usage)
+            )
+        collected = await _collect(request, generation)
+        if isinstance(collected, JSONResponse):
+            return collected
+        text, finish = collected
         return ChatCompletionResponse(
             id=request_id,
             created=created,

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpair_runtime.config import RuntimeConfig, load_runtime_config, parse_runtime_config
+
+if TYPE_CHECKING:
+    from specpair_runtime.server.state import ServerState
 
 log = logging.getLogger("specpair.server")
 
@@ -21,6 +24,9 @@ SERVING_FLAGS = {
     "api_key_file": "apiKeyFile",
     "golden_prompts_file": "goldenPromptsFile",
     "drain_timeout_seconds": "drainTimeoutSeconds",
+    "max_request_body_bytes": "maxRequestBodyBytes",
+    "header_timeout_seconds": "headerTimeoutSeconds",
+    "body_timeout_seconds": "bodyTimeoutSeconds",
 }
 
 
@@ -38,6 +44,15 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     serve.add_argument("--golden-prompts-file", metavar="FILE", help="serving.goldenPromptsFile")
     serve.add_argument(
         "--drain-timeout-seconds", type=float, metavar="S", help="serving.drainTimeoutSeconds"
+    )
+    serve.add_argument(
+        "--max-request-body-bytes", type=int, metavar="N", help="serving.maxRequestBodyBytes"
+    )
+    serve.add_argument(
+        "--header-timeout-seconds", type=float, metavar="S", help="serving.headerTimeoutSeconds"
+    )
+    serve.add_argument(
+        "--body-timeout-seconds", type=float, metavar="S", help="serving.bodyTimeoutSeconds"
     )
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
     serve.add_argument(
@@ -64,7 +79,6 @@ def apply_overrides(config: RuntimeConfig, overrides: dict[str, object]) -> Runt
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # Imported here: `--help` and the other commands must not pay for them.
-    from specpair_runtime.server.auth import load_api_key
     from specpair_runtime.server.runner import build_server
     from specpair_runtime.server.startup import start_loader, stop_serving
     from specpair_runtime.server.state import ServerState
@@ -72,8 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("specpair").setLevel(logging.INFO)
     config = apply_overrides(load_runtime_config(args.config), vars(args))
     serving = config.serving
-    api_key = load_api_key(Path(serving.api_key_file)) if serving.api_key_file else None
-    state = ServerState(config, config_path=args.config, api_key=api_key, device=args.device)
+    state = ServerState(config, config_path=args.config, device=args.device)
+    start_key_watcher(state, args.reload_interval)
     server = build_server(state, serving.host, serving.port)
     start_loader(state, args.reload_interval)
     log.info("serving pair %s on %s:%d", config.pair.name, serving.host, serving.port)
@@ -81,4 +95,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         stop_serving(state)
+        if state.key_watcher is not None:
+            state.key_watcher.stop()
+    if state.forced_stop:
+        log.error("stopped by a second signal before the drain finished")
+        return 1
     return 0
+
+
+def start_key_watcher(state: ServerState, interval_seconds: float) -> None:
+    """Load the API key file, if any, and watch it for rotation."""
+    from specpair_runtime.server.auth import KeyFileWatcher, KeyRing, load_key_file
+
+    path = state.config.serving.api_key_file
+    if path is None:
+        return
+    state.api_keys = KeyRing(load_key_file(Path(path)))
+    state.key_watcher = KeyFileWatcher(Path(path), state.api_keys, interval_seconds)
+    state.key_watcher.start()

@@ -1,25 +1,42 @@
-"""OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error answer goes through ``error_response``, so no input can produce a
+body of another shape, and every one is counted by its code. Messages are
+written here and in the routes; an exception's own text is logged, never sent.
+"""
 
 from __future__ import annotations
 
-from fastapi import Request
+import json
+import logging
+
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.schemas import ErrorDetail, ErrorResponse, field_path
+
+log = logging.getLogger("specpair.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
+# Seconds a client should wait before retrying: the queue drains in about a
+# step; a draining or loading server needs longer (or another replica).
+RETRY_AFTER = {"queue_full": 1, "not_ready": 5, "shutting_down": 5}
+INTERNAL_ERROR = "the server failed while handling this request"
 
 
 class APIError(Exception):
@@ -33,21 +50,63 @@ class APIError(Exception):
         self.code = code
 
 
-def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
     detail = ErrorDetail(
         message=message,
         type=ERROR_TYPES.get(status, "invalid_request_error"),
         param=param,
         code=code,
     )
-    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+    return json.dumps(ErrorResponse(error=detail).model_dump()).encode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    *,
+    close: bool = False,
+) -> JSONResponse:
+    """The OpenAI-shaped error; ``close`` for answers sent before the body was read."""
+    detail = ErrorDetail(
+        message=message,
+        type=ERROR_TYPES.get(status, "invalid_request_error"),
+        param=param,
+        code=code,
+    )
+    response = JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+    if code in RETRY_AFTER:
+        response.headers["Retry-After"] = str(RETRY_AFTER[code])
+    if close:
+        response.headers["Connection"] = "close"
+    return response
+
+
+def _loc(error: dict[str, object]) -> tuple[int | str, ...]:
+    loc = error.get("loc", ())
+    return tuple(loc) if isinstance(loc, (tuple, list)) else ()
+
+
+def _first_problem(errors: list[dict[str, object]]) -> dict[str, object]:
+    """The first error, unless it is a union's plain-string branch failing.
+
+    For ``content: str | list[ContentPart]`` a bad part fails both branches;
+    "should be a valid string" says less than the deepest error of the other branch.
+    """
+    first = errors[0]
+    loc = _loc(first)
+    string_branch = bool(loc) and (loc[-1] == "str" or str(loc[-1]).endswith(", str]"))
+    if not string_branch:
+        return first
+    prefix = loc[:-1]
+    deeper = [e for e in errors[1:] if _loc(e)[: len(prefix)] == prefix]
+    return max(deeper, key=lambda e: len(_loc(e))) if deeper else first
 
 
 def describe_request_errors(errors: list[dict[str, object]]) -> tuple[str, str | None]:
     """The first validation problem as (message naming the field, field path)."""
-    first = errors[0]
+    first = _first_problem(errors)
     kind = str(first.get("type", ""))
     loc = first.get("loc", ())
     path = field_path(tuple(loc)) if isinstance(loc, (tuple, list)) else ""
@@ -64,24 +123,39 @@ def describe_request_errors(errors: list[dict[str, object]]) -> tuple[str, str |
     elif kind == "missing":
         message = "field required"
     else:
-        message = str(first.get("msg", "invalid value"))
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     more = len(errors) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
     return (f"{path}: {message}{suffix}" if path else f"{message}{suffix}"), path or None
 
 
-async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, APIError)
-    return error_response(error.status, error.message, error.param, error.code)
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """OpenAI-shaped answers for every error the app can raise, each counted."""
 
+    async def api_error(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, APIError)
+        metrics.error(error.code)
+        return error_response(error.status, error.message, error.param, error.code)
 
-async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, (RequestValidationError, ValidationError))
-    errors = [dict(item) for item in error.errors()]
-    message, param = describe_request_errors(errors)
-    return error_response(400, message, param)
+    async def validation_error(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, (RequestValidationError, ValidationError))
+        errors = [dict(item) for item in error.errors()]
+        message, param = describe_request_errors(errors)
+        metrics.error(None)
+        return error_response(400, message, param)
 
+    async def http_error(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, StarletteHTTPException)
+        metrics.error(None)
+        return error_response(error.status_code, str(error.detail))
 
-async def http_error_handler(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, StarletteHTTPException)
-    return error_response(error.status_code, str(error.detail))
+    async def unhandled(request: Request, error: Exception) -> JSONResponse:
+        # Starlette logs the traceback too; the client gets no internal text.
+        log.error("unhandled error on %s %s: %r", request.method, request.url.path, error)
+        metrics.error("internal_error")
+        return error_response(500, INTERNAL_ERROR, code="internal_error")
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unhandled)

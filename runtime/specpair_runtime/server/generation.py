@@ -17,14 +17,27 @@ from dataclasses import dataclass
 
 from specpair_runtime.engine.api import FinishReason, SamplingParams
 from specpair_runtime.server.filters import OutputFilter
-from specpair_runtime.server.scheduler import Scheduler, Submission, Update
+from specpair_runtime.server.scheduler import ErrorCode, Scheduler, Submission, Update
 from specpair_runtime.server.schemas import SpeculationStats, Usage
 
 log = logging.getLogger("specpair.server")
 
 
+# What a client is told for each failure: fixed text, never an exception's.
+PUBLIC_ERRORS: dict[ErrorCode, tuple[int, str]] = {
+    "engine_error": (500, "the server failed while generating this request"),
+    "invalid_request": (400, "the engine refused this request's sampling parameters"),
+    "shutting_down": (503, "server is shutting down"),
+}
+
+
 class GenerationError(RuntimeError):
     """The engine failed the request (or the server stopped under it)."""
+
+    def __init__(self, code: ErrorCode) -> None:
+        self.code = code
+        self.status, self.public_message = PUBLIC_ERRORS[code]
+        super().__init__(self.public_message)
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,9 @@ class Generation:
             while True:
                 update = await self._queue.get()
                 if update.error is not None:
+                    # The scheduler logged the detail and counted the failure.
                     self._finished = True
-                    raise GenerationError(update.error)
+                    raise GenerationError(update.error_code)
                 event = update.event
                 if event is None:
                     continue

@@ -1,19 +1,20 @@
 """Memory-pressure probe and the hysteresis gate that turns readings into pauses.
 
 CUDA: the caching allocator's reserved bytes over the device's total memory.
-CPU: the process's resident memory over the cgroup limit, or over the
-system's memory when the cgroup sets none.
+
+CPU: anonymous memory (heap, KV caches, tensors) over the cgroup limit, or
+the process's anonymous memory over the system's memory when no cgroup
+limit is set. File-backed pages (memory-mapped safetensors weights) are left
+out: the kernel can drop and re-read them, and counting them made a large
+target look like pressure before a single request ran.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-CGROUP_V2_MAX = Path("/sys/fs/cgroup/memory.max")
-CGROUP_V1_LIMIT = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
 # cgroup v1 reports "no limit" as a huge page-aligned number.
 _UNLIMITED = 1 << 60
 
@@ -32,21 +33,58 @@ def _read_int(path: Path) -> int | None:
     return value if 0 < value < _UNLIMITED else None
 
 
-def _system_total_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("MemTotal missing from /proc/meminfo")
+def _field(path: Path, name: str, scale: int = 1) -> int | None:
+    """``name value`` (memory.stat) or ``Name: value kB`` (/proc files), times ``scale``."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].rstrip(":") == name:
+            return int(parts[1]) * scale
+    return None
 
 
-def _rss_bytes() -> int:
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
+@dataclass(frozen=True)
+class CpuMemory:
+    """Where the CPU reading comes from; ``root`` lets tests lay out their own files."""
 
+    root: Path = Path("/")
 
-def cpu_memory_limit_bytes() -> int:
-    """The cgroup limit when one is set, else the system's memory."""
-    return _read_int(CGROUP_V2_MAX) or _read_int(CGROUP_V1_LIMIT) or _system_total_bytes()
+    def _cgroup(self) -> tuple[int, int] | None:
+        """(anonymous bytes, limit) of the cgroup when it sets a limit."""
+        v2 = self.root / "sys/fs/cgroup"
+        limit = _read_int(v2 / "memory.max")
+        if limit is not None:
+            anon = _field(v2 / "memory.stat", "anon")
+            return None if anon is None else (anon, limit)
+        v1 = self.root / "sys/fs/cgroup/memory"
+        limit = _read_int(v1 / "memory.limit_in_bytes")
+        if limit is not None:
+            # v1's total_rss is anonymous memory (and swap cache), not file pages.
+            anon = _field(v1 / "memory.stat", "total_rss")
+            return None if anon is None else (anon, limit)
+        return None
+
+    def limit_bytes(self) -> int:
+        cgroup = self._cgroup()
+        if cgroup is not None:
+            return cgroup[1]
+        total = _field(self.root / "proc/meminfo", "MemTotal", 1024)
+        if total is None:
+            raise RuntimeError("MemTotal missing from /proc/meminfo")
+        return total
+
+    def reading(self) -> float:
+        """Anonymous memory in use as a fraction of the limit."""
+        cgroup = self._cgroup()
+        if cgroup is not None:
+            return cgroup[0] / cgroup[1]
+        anon = _field(self.root / "proc/self/status", "RssAnon", 1024)
+        if anon is None:
+            raise RuntimeError("RssAnon missing from /proc/self/status")
+        return anon / self.limit_bytes()
 
 
 class MemoryProbe:
@@ -56,7 +94,7 @@ class MemoryProbe:
         self.device = device
         self._forced: float | None = None
         self._lock = threading.Lock()
-        self._cpu_limit = cpu_memory_limit_bytes() if device == "cpu" else 0
+        self._cpu = CpuMemory()
 
     def force(self, fraction: float | None) -> None:
         """Test hook: report ``fraction`` until called again with None."""
@@ -74,7 +112,7 @@ class MemoryProbe:
             total = torch.cuda.get_device_properties(device).total_memory
             # Reserved (cached) blocks count: they are not free for other use.
             return float(torch.cuda.memory_reserved(device)) / total
-        return _rss_bytes() / self._cpu_limit
+        return self._cpu.reading()
 
 
 @dataclass

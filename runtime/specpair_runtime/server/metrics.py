@@ -31,6 +31,23 @@ LATENCY_BUCKETS = (
     60.0,
 )
 FALLBACK_REASONS = ("memory_pressure", "batch_size", "acceptance_floor", "disabled")
+# Every error answer, by the OpenAI error `code` it carries (a fixed set: a
+# bounded label). "invalid_request" stands for a 400 without a code.
+ERROR_REASONS = (
+    "invalid_request",
+    "invalid_api_key",
+    "priority_not_allowed",
+    "model_not_found",
+    "context_length_exceeded",
+    "request_too_large",
+    "request_timeout",
+    "queue_full",
+    "not_ready",
+    "shutting_down",
+    "engine_error",
+    "internal_error",
+)
+DEVICE_PLAN_MODES = ("Colocated", "TargetOnly", "DoesNotFit")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -93,13 +110,46 @@ class ServerMetrics:
         self.requests_waiting = Gauge(
             "specpair_requests_waiting", "Requests in the waiting queue.", PAIR_LABELS, registry=reg
         ).labels(**labels)
+        self._errors = Counter(
+            "specpair_request_errors",
+            "Requests answered with an error (or ended by one mid-stream), by error code.",
+            (*PAIR_LABELS, "reason"),
+            registry=reg,
+        )
+        self._by_key = Counter(
+            "specpair_requests_by_key",
+            "Authorized /v1 requests by API key name (names from the key file).",
+            (*PAIR_LABELS, "key"),
+            registry=reg,
+        )
+        # Set once at start-up on CUDA (engine/device_plan.py); absent on the CPU.
+        self._device_plan = Gauge(
+            "specpair_device_plan",
+            "Start-up device-memory plan on CUDA: 1 for the mode in force "
+            "(Colocated, TargetOnly: the draft did not fit, DoesNotFit).",
+            (*PAIR_LABELS, "mode"),
+            registry=reg,
+        )
         self._labels = labels
         # Create the labelled children up front so every series exists at 0.
         for reason in FALLBACK_REASONS:
             self._fallbacks.labels(**labels, reason=reason)
+        for reason in ERROR_REASONS:
+            self._errors.labels(**labels, reason=reason)
+
+    def device_plan(self, mode: str) -> None:
+        for each in DEVICE_PLAN_MODES:
+            self._device_plan.labels(**self._labels, mode=each).set(1 if each == mode else 0)
 
     def fallback(self, reason: str) -> None:
         self._fallbacks.labels(**self._labels, reason=reason).inc()
+
+    def error(self, code: str | None) -> None:
+        reason = code if code in ERROR_REASONS else "invalid_request"
+        self._errors.labels(**self._labels, reason=reason).inc()
+
+    def request_by_key(self, name: str) -> None:
+        self._by_key.labels(**self._labels, key=name).inc()
 
     def record_event(self, event: StepEvent) -> None:
         self.generated_tokens.inc(len(event.token_ids))

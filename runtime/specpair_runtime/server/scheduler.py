@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import Engine, SamplingParams, StepEvent
@@ -23,7 +24,11 @@ from specpair_runtime.server.queueing import QueueFull, RequestQueue
 
 log = logging.getLogger("specpair.scheduler")
 
-__all__ = ["QueueFull", "Scheduler", "Submission", "Update"]
+__all__ = ["ErrorCode", "QueueFull", "Scheduler", "Submission", "Update"]
+
+
+# Why a request failed; the HTTP side maps each code to a fixed public message.
+ErrorCode = Literal["engine_error", "invalid_request", "shutting_down"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,8 @@ class Update:
     """What a request's handler receives from the engine thread."""
 
     event: StepEvent | None = None
-    error: str | None = None  # the engine failed this request
+    error: str | None = None  # the request failed: the detail, for logs only
+    error_code: ErrorCode = "engine_error"
 
     @property
     def finished(self) -> bool:
@@ -94,13 +100,21 @@ class Scheduler:
 
     # -- thread-safe API for the HTTP side ---------------------------------
 
+    def check_room(self) -> None:
+        """Raise QueueFull now if a request would be refused: before any tokenizing."""
+        with self._cond:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        # Requests that free slots will take at the next step are not waiting.
+        free_slots = max(0, self.max_batch_size - len(self._running))
+        if len(self._queue) >= self.max_waiting + free_slots:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+
     def submit(self, submission: Submission) -> None:
         """Queue a request; raises QueueFull when the waiting queue is full."""
         with self._cond:
-            # Requests that free slots will take at the next step are not waiting.
-            free_slots = max(0, self.max_batch_size - len(self._running))
-            if len(self._queue) >= self.max_waiting + free_slots:
-                raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._check_room()
             self._queue.push(submission.request_id, submission, submission.priority)
             self.metrics.requests_waiting.set(len(self._queue))
             self._cond.notify()
@@ -164,13 +178,14 @@ class Scheduler:
                     # Finished requests shrink the batch: lift a batch-size pause now.
                     self._update_pause()
             except Exception as error:
-                log.exception("engine step failed; failing the running requests")
-                self._fail_running(f"engine error: {error}")
+                # Which row broke is unknown: every running request fails.
+                log.exception("engine step failed; failing the %d running requests", self.running)
+                self._fail_running(f"engine step failed: {error!r}", "engine_error")
         with self._cond:
             queued = self._queue.drain()
         for submission in queued:
-            submission.sink(Update(error="server is shutting down"))
-        self._fail_running("server is shutting down")
+            self._fail(submission, "server is shutting down", "shutting_down")
+        self._fail_running("server is shutting down", "shutting_down")
 
     def _between_steps(
         self, aborts: list[str], knobs: SpeculationKnobs | None, admitted: list[Submission]
@@ -190,7 +205,8 @@ class Scheduler:
                     submission.request_id, submission.prompt_ids, submission.params
                 )
             except ValueError as error:  # this request is bad, the batch is fine
-                submission.sink(Update(error=f"request rejected by the engine: {error}"))
+                log.warning("request %s rejected by the engine: %s", submission.request_id, error)
+                self._fail(submission, f"rejected by the engine: {error}", "invalid_request")
                 continue
             self._running[submission.request_id] = submission
         self.metrics.requests_running.set(len(self._running))
@@ -244,6 +260,13 @@ class Scheduler:
                 elif submission.last_text_at is not None:
                     self.metrics.itl.observe(now - submission.last_text_at)
                 submission.last_text_at = now
+            if event.finish_reason == "error":
+                # This row alone failed (e.g. non-finite probabilities); its
+                # batch-mates go on. The detail is for the logs only.
+                del self._running[event.request_id]
+                log.error("request %s failed in the engine: %s", event.request_id, event.error)
+                self._fail(submission, event.error or "engine error", "engine_error")
+                continue
             if event.finished:
                 del self._running[event.request_id]
                 self.metrics.request_latency.observe(now - submission.arrival)
@@ -251,13 +274,17 @@ class Scheduler:
         self.metrics.requests_running.set(len(self._running))
         self._track_speculation()
 
-    def _fail_running(self, message: str) -> None:
+    def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:
+        self.metrics.error(code)
+        submission.sink(Update(error=detail, error_code=code))
+
+    def _fail_running(self, detail: str, code: ErrorCode) -> None:
         for submission in self._running.values():
             try:
                 self.engine.abort(submission.request_id)
             except Exception:
                 log.exception("abort of %s failed", submission.request_id)
-            submission.sink(Update(error=message))
+            self._fail(submission, detail, code)
         self._running.clear()
         self.metrics.requests_running.set(0)
         self.metrics.requests_waiting.set(len(self._queue))

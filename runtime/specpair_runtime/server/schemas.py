@@ -1,36 +1,75 @@
 """OpenAI-compatible request and response bodies.
 
 Requests forbid unknown fields so that a typo gets a 4xx naming the field
-instead of being silently ignored. Responses are plain pydantic models that
-serialize to the shapes OpenAI clients parse, plus one extra field,
-``speculation``, with the request's own speculation stats.
+instead of being silently ignored. They accept what the official SDKs and
+common frameworks send (``stream_options``, ``max_completion_tokens``,
+text content parts, the ``developer`` role, zero penalties, ``seed``,
+``user``). Responses are plain pydantic models that serialize to the shapes
+OpenAI clients parse, plus one extra field, ``speculation``, with the
+request's own speculation stats.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specpair_runtime.engine.api import FinishReason
 
 MAX_STOP_SEQUENCES = 4
 
 
+def _valid_unicode(value: str) -> str:
+    """Refuse lone surrogates: JSON can carry them, UTF-8 (and the tokenizer) cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate at character {error.start}; "
+            "text must be valid Unicode"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _zero_only(value: float) -> float:
+    if value != 0:
+        raise ValueError("only 0 is supported: this server applies no penalties")
+    return value
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0), AfterValidator(_zero_only)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    include_usage: bool = Field(
+        default=False, description="Send a last chunk with usage and no choices before [DONE]."
+    )
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(default=None, description="Ignored beyond a match check.")
+    model: Text | None = Field(default=None, description="Ignored beyond a match check.")
     max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: Literal[1] = Field(default=1, description="Only one choice per request.")
     stream: bool = False
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     # Higher runs first; FIFO within one priority (see scheduler.RequestQueue).
-    priority: int = Field(default=0, ge=-1000, le=1000)
+    # Capped by the API key's priority class; None = the key's own priority.
+    priority: int | None = Field(default=None, ge=-1000, le=1000)
 
     @field_validator("stop")
     @classmethod
@@ -47,22 +86,65 @@ class _Request(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """The requested completion length and the field it came from."""
+        return self.max_tokens, "max_tokens"
+
 
 class CompletionRequest(_Request):
-    prompt: str = Field(description="The prompt text.")
+    prompt: Text = Field(description="The prompt text.")
     echo: Literal[False] = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
+    # "developer" is OpenAI's newer name for system instructions.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[ContentPart]
+    name: Text | None = None
+
+    @property
+    def template_role(self) -> str:
+        """The role chat templates know: they have no "developer"."""
+        return "system" if self.role == "developer" else self.role
+
+    @property
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines (as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="OpenAI's newer name for max_tokens."
+    )
+
+    @model_validator(mode="after")
+    def _one_length_field(self) -> ChatCompletionRequest:
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_completion_tokens: differs from max_tokens; give one of the two")
+        return self
+
+    def token_limit(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 class Usage(BaseModel):
@@ -168,6 +250,12 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def _is_union_branch(part: str) -> bool:
+    # pydantic names the union branch it tried ("str", "list[str]", "list[ContentPart]",
+    # "function-after[_valid_unicode(), str]").
+    return part == "str" or "[" in part
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """`("messages", 0, "role")` -> `messages[0].role`; body/query prefixes dropped."""
     parts = list(loc)
@@ -177,9 +265,6 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     for part in parts:
         if isinstance(part, int):
             path += f"[{part}]"
-        else:
-            # pydantic names the union branch it tried (e.g. "str", "list[str]"); skip it.
-            if part in ("str", "list[str]"):
-                continue
+        elif not _is_union_branch(part):
             path += f".{part}" if path else part
     return path

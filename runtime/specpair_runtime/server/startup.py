@@ -11,7 +11,9 @@ import threading
 from pathlib import Path
 
 from specpair_runtime.config import ConfigError
+from specpair_runtime.engine.device_plan import drop_draft, plan_on_device
 from specpair_runtime.engine.golden_check import run_golden
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.golden import load_golden
 from specpair_runtime.server.memory import MemoryProbe
@@ -39,10 +41,29 @@ def golden_failure(state: ServerState, pair: LoadedPair) -> str | None:
         return f"golden prompts file invalid: {error}"
     state.readiness.set("golden_prompts", f"running {len(golden.prompts)} golden prompts")
     report = run_golden(golden, pair)
+    for note in report.notes():  # divergences at a near-tie: numerics, not a bug
+        log.warning("golden prompts: %s", note)
     if report.passed:
         log.info("golden prompts passed (%d)", len(report.results))
         return None
     return "golden prompts failed: " + "; ".join(report.failures())
+
+
+def apply_device_plan(state: ServerState, pair: LoadedPair) -> str | None:
+    """On CUDA, drop the draft when it does not fit the measured free memory; say why.
+
+    Returns the target-only reason, or None when the pair speculates (always on the CPU).
+    """
+    plan = plan_on_device(pair, state.config.serving)
+    if plan is None:
+        return None
+    state.metrics.device_plan(plan.mode)
+    if plan.speculate:
+        log.info("device plan: %s", plan.reason)
+        return None
+    log.warning("device plan: %s", plan.reason)
+    drop_draft(pair)
+    return plan.reason
 
 
 def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> None:
@@ -50,13 +71,17 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
     config = state.config
     try:
         state.readiness.set("loading", "loading the target and draft models")
-        pair = load_pair(config.target, config.draft, config.speculation, state.device)
+        options = EngineOptions.from_serving(config.serving)  # KV sizing, step budget
+        pair = load_pair(
+            config.target, config.draft, config.speculation, state.device, options=options
+        )
         state.readiness.set("checking_alignment", "checking the draft against the target")
         refused = pair.speculation_refused
         if refused is not None:
             state.readiness.set("failed", refused)
             log.error("not ready: %s", refused)
             return
+        target_only = apply_device_plan(state, pair)
         failure = golden_failure(state, pair)
         if failure is not None:
             state.readiness.set("failed", failure)
@@ -81,7 +106,7 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
                 state.config_path, config, scheduler.update_knobs, watch_interval_seconds
             )
             state.watcher.start()
-        state.readiness.set("ready", "serving")
+        state.readiness.set("ready", "serving" if target_only is None else f"serving {target_only}")
         log.info("ready: pair %s version %s", config.pair.name, config.pair.version)
     except Exception as error:
         log.exception("startup failed")

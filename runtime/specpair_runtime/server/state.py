@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specpair_runtime.config import RuntimeConfig
+from specpair_runtime.server.auth import KeyFileWatcher, KeyRing
 from specpair_runtime.server.filters import OutputFilter, build_filter
 from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.metrics import ServerMetrics
@@ -21,7 +22,7 @@ from specpair_runtime.server.scheduler import Scheduler
 class ServerState:
     config: RuntimeConfig
     config_path: Path | None = None
-    api_key: str | None = None
+    api_keys: KeyRing | None = None  # None: no key file, every caller is anonymous
     device: str | None = None  # None: CUDA when present, else the CPU
     readiness: Readiness = field(default_factory=Readiness)
     metrics: ServerMetrics = field(init=False)
@@ -31,12 +32,16 @@ class ServerState:
     scheduler: Scheduler | None = None
     tokenizer: Any = None
     max_model_length: int = 0
+    max_prompt_chars: int | None = None  # None until the tokenizer is known
     watcher: ConfigWatcher | None = None
+    key_watcher: KeyFileWatcher | None = None
     loader: threading.Thread | None = None
     # Graceful shutdown: in-flight /v1 requests, and the drain flag.
     draining: bool = False
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)  # wakes body reads
     in_flight: int = 0
     idle: asyncio.Event | None = None
+    forced_stop: bool = False  # a second signal cut the drain short: exit non-zero
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.config.pair.name, self.config.pair.version)

@@ -1,7 +1,10 @@
 """SSE bodies for ``stream: true``: one chunk per accept step, then ``[DONE]``.
 
 sse-starlette does the framing and closes the generator when the client
-goes away, which aborts the generation (see ``Generation.chunks``).
+goes away, which aborts the generation (see ``Generation.chunks``). A failed
+generation ends with an OpenAI-shaped error chunk, then ``[DONE]``, so
+clients always see why a stream ended. With ``stream_options.include_usage``
+a last chunk with empty ``choices`` carries the usage (as OpenAI does).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from pydantic import BaseModel
 
 from specpair_runtime.engine.api import FinishReason
+from specpair_runtime.server.errors import ERROR_TYPES
 from specpair_runtime.server.generation import Generation, GenerationError
 from specpair_runtime.server.schemas import (
     ChatChunkChoice,
@@ -31,7 +35,7 @@ ChunkBuilder = Callable[[str, FinishReason | None, bool], BaseModel]
 
 
 def completion_chunks(
-    generation: Generation, request_id: str, created: int, model: str
+    generation: Generation, request_id: str, created: int, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
     def build(text: str, finish: FinishReason | None, last: bool) -> BaseModel:
         return CompletionResponse(
@@ -43,11 +47,12 @@ def completion_chunks(
             speculation=generation.speculation if last else None,
         )
 
-    return _events(generation, build, first=None)
+    usage_only = CompletionResponse(id=request_id, created=created, model=model, choices=[])
+    return _events(generation, build, None, usage_only if include_usage else None)
 
 
 def chat_chunks(
-    generation: Generation, request_id: str, created: int, model: str
+    generation: Generation, request_id: str, created: int, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
     def build(text: str, finish: FinishReason | None, last: bool) -> BaseModel:
         return ChatCompletionChunk(
@@ -59,6 +64,8 @@ def chat_chunks(
             speculation=generation.speculation if last else None,
         )
 
+    usage_only = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[])
+
     # OpenAI's first chat chunk announces the role with empty content.
     first = ChatCompletionChunk(
         id=request_id,
@@ -68,7 +75,7 @@ def chat_chunks(
             ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)
         ],
     )
-    return _events(generation, build, first=first)
+    return _events(generation, build, first, usage_only if include_usage else None)
 
 
 def _dump(chunk: BaseModel) -> str:
@@ -81,8 +88,12 @@ def _dump(chunk: BaseModel) -> str:
 
 
 async def _events(
-    generation: Generation, build: ChunkBuilder, first: BaseModel | None
+    generation: Generation,
+    build: ChunkBuilder,
+    first: BaseModel | None,
+    usage_only: BaseModel | None,
 ) -> AsyncIterator[str]:
+    """``usage_only``: the empty-choices chunk to fill with the usage at the end, if asked."""
     if first is not None:
         yield _dump(first)
     try:
@@ -94,8 +105,12 @@ async def _events(
             if chunk.text:
                 yield _dump(build(chunk.text, None, False))
             yield _dump(build("", chunk.finish_reason, True))
+            if usage_only is not None:
+                yield _dump(usage_only.model_copy(update={"usage": generation.usage}))
     except GenerationError as error:
-        log.error("request %s failed: %s", generation.request_id, error)
-        detail = ErrorDetail(message=str(error), type="server_error")
+        log.info("stream %s ended with error %s", generation.request_id, error.code)
+        detail = ErrorDetail(
+            message=error.public_message, type=ERROR_TYPES[error.status], code=error.code
+        )
         yield ErrorResponse(error=detail).model_dump_json()
     yield "[DONE]"

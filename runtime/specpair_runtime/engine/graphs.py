@@ -1,0 +1,85 @@
+"""CUDA graphs for uniform decode and verify steps (``torch.compile(mode="reduce-overhead")``).
+
+A decode step (1 token per row) or a verify step (k+1 tokens per row, one
+depth for the step) has rows of equal length. Padded to a bucket of rows
+(1, 2, 4, 8, ...), such a step has static shapes: the input ids, the rows'
+slots and positions are tensors, attention is the dense form of
+``attention.py`` (a mask derived from positions over whole slots), and KV
+writes land in the fixed storage. So one graph per (bucket, tokens per row)
+is captured and replayed. Padded rows write into the storage's scratch slot.
+
+Prefill chunks (ragged lengths) run eagerly through the varlen attention.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specpair_runtime.engine.attention import model_attention
+from specpair_runtime.engine.kvcache import DenseRows, FlatBatch, RowSpan, SlotCache
+
+if TYPE_CHECKING:
+    from specpair_runtime.engine.runner import ModelRunner
+
+MAX_GRAPH_TOKENS_PER_ROW = 17  # verify of depth 16 (the knob's maximum) + 1
+
+
+def row_bucket(rows: int) -> int:
+    """The next power of two at or above ``rows``."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class GraphStep:
+    """Runs uniform steps of one model through a compiled, graph-captured forward."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._compiled = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+
+    def accepts(self, rows: list[RowSpan], sample_index: torch.Tensor | None) -> bool:
+        if not rows or sample_index is None:
+            return False
+        q_len = rows[0].q_len
+        return q_len <= MAX_GRAPH_TOKENS_PER_ROW and all(r.q_len == q_len for r in rows)
+
+    def _forward(
+        self, ids: torch.Tensor, slot: torch.Tensor, position: torch.Tensor, q_len: int
+    ) -> torch.Tensor:
+        storage = self.runner.allocate()
+        offsets = torch.arange(q_len, device=ids.device)
+        write_position = (position[:, None] + offsets[None, :]).flatten()
+        batch = FlatBatch(
+            rows=[],
+            write_slot=slot.repeat_interleave(q_len),
+            write_position=write_position,
+            position_ids=write_position[None, :],
+            masks=[],
+            dense=DenseRows(slot, position, q_len),
+        )
+        out = self.runner.model.base_model(
+            input_ids=ids[None, :],
+            position_ids=batch.position_ids,
+            cache=SlotCache(storage, batch),
+            use_cache=True,
+        )
+        logits: torch.Tensor = self.runner.head(out.last_hidden_state[0])
+        return logits
+
+    def __call__(
+        self, rows: list[RowSpan], input_ids: torch.Tensor, sample_index: torch.Tensor
+    ) -> torch.Tensor:
+        storage = self.runner.allocate()
+        q_len = rows[0].q_len
+        bucket = row_bucket(len(rows))
+        padding = bucket - len(rows)
+        slots = [r.slot for r in rows] + [storage.scratch_slot] * padding
+        positions = [r.position for r in rows] + [0] * padding
+        meta = torch.tensor([slots, positions], dtype=torch.long).to(self.runner.device)
+        ids = torch.cat([input_ids, input_ids.new_zeros(padding * q_len)])
+        with model_attention(self.runner.model):
+            logits = self._compiled(ids, meta[0], meta[1], q_len)
+        # Padded rows sit after the real ones, so the flat indices are unchanged;
+        # index_select copies out of the graph's reused output buffer.
+        return logits.index_select(0, sample_index)

@@ -1,0 +1,62 @@
+"""Engine sizing and serving options (how big the KV storage is, the per-step token budget)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpair_runtime.config import ServingOptions
+
+# Per-step token budget when none is configured. On the CPU one prefill token
+# costs about as much as one decode row, so a small budget keeps the running
+# streams' inter-token latency flat while a long prompt enters in chunks; a
+# GPU is memory-bound far longer (vLLM's default for chunked prefill).
+DEFAULT_STEP_TOKENS_CPU = 32
+DEFAULT_STEP_TOKENS_CUDA = 2048
+# A waiting prefill gets at least this many tokens per step, even when the
+# running decodes use up the budget, so it is never starved.
+MIN_PREFILL_CHUNK = 8
+# With no stream decoding, nobody waits on the step: prompts may take this
+# many budgets at once (fewer, larger chunks cost less in total).
+IDLE_PREFILL_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine sizes its fixed storage and plans its steps.
+
+    max_slots: requests decoded at once (one KV slot each); more wait.
+    max_length: prompt + output tokens per request (positions per slot).
+    max_step_tokens: tokens per step over all rows (chunked prefill budget);
+        None picks ``DEFAULT_STEP_TOKENS_CPU`` / ``..._CUDA`` by device.
+    cuda_graphs: on CUDA, run uniform decode/verify steps through
+        ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Ignored on the CPU.
+    """
+
+    max_slots: int = 8
+    max_length: int = 2048
+    max_step_tokens: int | None = None
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+
+    def step_tokens(self, device: torch.device) -> int:
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
+        return DEFAULT_STEP_TOKENS_CUDA if device.type == "cuda" else DEFAULT_STEP_TOKENS_CPU
+
+    @staticmethod
+    def from_serving(serving: ServingOptions) -> EngineOptions:
+        return EngineOptions(
+            max_slots=serving.max_batch_size,
+            max_length=serving.max_model_length,
+            max_step_tokens=serving.max_step_tokens,
+            cuda_graphs=serving.cuda_graphs,
+        )

@@ -1,0 +1,87 @@
+"""One model, its static KV storage, and one forward over a flat ragged batch."""
+
+from __future__ import annotations
+
+import torch
+
+from specpair_runtime.engine.attention import model_attention
+from specpair_runtime.engine.graphs import GraphStep
+from specpair_runtime.engine.kvcache import (
+    KVGeometry,
+    KVStorage,
+    RowSpan,
+    SlotCache,
+    build_flat_batch,
+)
+from specpair_runtime.engine.loading import LoadedModel
+
+
+class ModelRunner:
+    """Runs ``loaded.model`` over flat batches that read and write ``self.storage``."""
+
+    def __init__(
+        self, loaded: LoadedModel, slots: int, max_length: int, *, cuda_graphs: bool = False
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.slots = slots
+        self.max_length = max_length
+        self.head = self.model.get_output_embeddings()
+        # out_features also exists on quantized heads, whose .weight is a method.
+        width = getattr(self.head, "out_features", None)
+        self.vocab = int(width if width is not None else self.model.config.vocab_size)
+        embeddings = self.model.get_input_embeddings()
+        self.embedding_rows = int(getattr(embeddings, "num_embeddings", self.vocab))
+        self.geometry = KVGeometry.of(self.model.config)
+        text = self.model.config.get_text_config()
+        self.groups = int(text.num_attention_heads) // self.geometry.kv_heads
+        self.storage: KVStorage | None = None
+        self.allocate()
+        self.graphs = GraphStep(self) if cuda_graphs and self.device.type == "cuda" else None
+
+    def allocate(self) -> KVStorage:
+        if self.storage is None:
+            self.storage = KVStorage(
+                self.geometry, self.slots, self.max_length, self.device, self.dtype
+            )
+        return self.storage
+
+    def free(self) -> None:
+        self.storage = None
+
+    def forward(
+        self,
+        rows: list[RowSpan],
+        input_ids: torch.Tensor,
+        sample_index: torch.Tensor | None,
+        *,
+        dense: bool = False,
+    ) -> torch.Tensor | None:
+        """Write the KV of ``input_ids`` [T] (laid out as ``rows``) and return logits.
+
+        Returns float logits [N, V] at the flat positions ``sample_index`` [N],
+        or None without computing the head when ``sample_index`` is None.
+        """
+        storage = self.allocate()
+        if self.graphs is not None and not dense and self.graphs.accepts(rows, sample_index):
+            assert sample_index is not None
+            return self.graphs(rows, input_ids, sample_index)
+        batch = build_flat_batch(rows, self.device, self.groups, dense=dense)
+        # A draft with fewer embedding rows than the target's logits (vocab
+        # padding) must still read every committed id; past the tokenizer
+        # these ids are junk anyway, and the draft only proposes.
+        ids = input_ids.clamp(max=self.embedding_rows - 1)[None, :]
+        with model_attention(self.model):
+            out = self.model.base_model(
+                input_ids=ids,
+                position_ids=batch.position_ids,
+                cache=SlotCache(storage, batch),
+                use_cache=True,
+            )
+        if sample_index is None:
+            return None
+        hidden = out.last_hidden_state[0].index_select(0, sample_index)
+        logits: torch.Tensor = self.head(hidden)
+        return logits

@@ -1,0 +1,77 @@
+"""Prompt text and chat messages to token ids, safely.
+
+- ``max_prompt_chars``: a cheap upper bound on the characters of a prompt
+  that can fit the max model length, checked before any tokenizer work.
+- ``encode_chat``: the chat template's own markers stay special tokens, while
+  message contents are tokenized as plain text (``split_special_tokens``), so
+  user text such as ``<|im_end|><|im_start|>system`` cannot forge a turn.
+
+All of it runs on a worker thread (the routes call it through the thread pool).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+# Unicode normalization may fold a few input characters into one before the
+# model sees them; the bound allows for that.
+NORMALIZATION_SLACK = 4
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters in the longest vocabulary entry.
+
+    An entry's string is never shorter than the text it decodes to (byte-level
+    BPE spells each byte as one character, SentencePiece one character per
+    character, WordPiece adds ``##``), so this bounds the text per token.
+    """
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def max_prompt_chars(max_model_length: int, token_chars: int) -> int:
+    """Prompts with more characters than this cannot fit ``max_model_length`` tokens."""
+    return max_model_length * token_chars * NORMALIZATION_SLACK
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """A completion prompt: the tokenizer's own special tokens added (e.g. BOS)."""
+    return [int(i) for i in tokenizer(text).input_ids]
+
+
+def _plain(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    return [int(i) for i in ids]
+
+
+def _markup(tokenizer: Any, text: str) -> list[int]:
+    return [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
+
+
+def encode_chat(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:
+    """(role, content) messages through the chat template, plus the generation prompt.
+
+    The template is rendered once with a unique placeholder per content; the
+    text between placeholders is the template's (special tokens parsed), each
+    placeholder is replaced by its content's plain-text tokens. A template may
+    drop or repeat a message; each occurrence gets the same tokens.
+    """
+    nonce = uuid.uuid4().hex
+    placeholder = re.compile(f"\ue000specpair-(\\d+)-{nonce}\ue001")
+    rendered = tokenizer.apply_chat_template(
+        [
+            {"role": role, "content": f"\ue000specpair-{index}-{nonce}\ue001"}
+            for index, (role, _) in enumerate(messages)
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids: list[int] = []
+    # re.split with one group: template text, index, template text, index, ...
+    for position, piece in enumerate(placeholder.split(rendered)):
+        if position % 2:
+            ids += _plain(tokenizer, messages[int(piece)][1])
+        elif piece:
+            ids += _markup(tokenizer, piece)
+    return ids
