@@ -18,7 +18,8 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,93 @@ def _own_namespace() -> str:
         return "default"
 
 
+@dataclass(frozen=True)
+class EnvFlag:
+    """A ``run`` flag that defaults to an environment variable.
+
+    ``run`` writes the parsed value back to that variable: handlers.py reads its
+    settings from the environment, so that ``kopf run -m specpair_operator.handlers``
+    behaves the same.
+    """
+
+    flag: str
+    env: str
+    default: str
+    help: str
+    type: Callable[[str], object] = str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        # argparse converts a string default with `type`, and reports a bad one naming the flag.
+        default = os.environ.get(self.env) or self.default
+        parser.add_argument(self.flag, type=self.type, default=default, help=self.help)
+
+    def export(self, args: argparse.Namespace) -> None:
+        os.environ[self.env] = str(getattr(args, self.dest))
+
+
+RUN_FLAGS = (
+    EnvFlag(
+        "--metrics-port",
+        "SPECPAIR_METRICS_PORT",
+        "8080",
+        "Port of /metrics (0 = off; env SPECPAIR_METRICS_PORT).",
+        int,
+    ),
+    EnvFlag(
+        "--metrics-address",
+        "SPECPAIR_METRICS_ADDRESS",
+        "127.0.0.1",
+        "Address of /metrics; use 0.0.0.0 in a pod (env SPECPAIR_METRICS_ADDRESS).",
+    ),
+    EnvFlag(
+        "--lease-namespace",
+        "SPECPAIR_LEASE_NAMESPACE",
+        "",  # resolved by `_own_namespace` when the operator starts
+        "Namespace of the Lease (env SPECPAIR_LEASE_NAMESPACE; default: the pod's own "
+        "namespace, else default).",
+    ),
+    EnvFlag(
+        "--lease-name",
+        "SPECPAIR_LEASE_NAME",
+        "specpair-operator",
+        "Name of the Lease (env SPECPAIR_LEASE_NAME).",
+    ),
+    EnvFlag(
+        "--lease-seconds",
+        "SPECPAIR_LEASE_SECONDS",
+        "8",
+        "Lease duration: a killed leader is replaced within 1.5x this (default 8).",
+        int,
+    ),
+    EnvFlag(
+        "--workers",
+        "SPECPAIR_WORKERS",
+        "4",
+        "Reconcile worker threads (env SPECPAIR_WORKERS; default 4).",
+        int,
+    ),
+    EnvFlag(
+        "--resync-seconds",
+        "SPECPAIR_RESYNC_SECONDS",
+        "15",
+        "Interval of the level-based resync over every pair (from the watched copy; "
+        "it sends no request for a pair in line with its spec).",
+        float,
+    ),
+    EnvFlag(
+        "--scrape-seconds",
+        "SPECPAIR_SCRAPE_SECONDS",
+        "30",
+        "Interval of the acceptance scrape of the pods' /metrics.",
+        float,
+    ),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpair-operator", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,59 +158,14 @@ def _parser() -> argparse.ArgumentParser:
         "separated). Default: all namespaces.",
     )
     run.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(os.environ.get("SPECPAIR_METRICS_PORT", "8080")),
-        help="Port of /metrics (0 = off; env SPECPAIR_METRICS_PORT).",
-    )
-    run.add_argument(
-        "--metrics-address",
-        default=os.environ.get("SPECPAIR_METRICS_ADDRESS", "127.0.0.1"),
-        help="Address of /metrics; use 0.0.0.0 in a pod (env SPECPAIR_METRICS_ADDRESS).",
-    )
-    run.add_argument(
         "--leader-election",
         action=argparse.BooleanOptionalAction,
         default=os.environ.get("SPECPAIR_LEADER_ELECTION", "") in ("1", "true"),
         help="Elect one active replica through a coordination.k8s.io Lease (for replicas > 1; "
         "env SPECPAIR_LEADER_ELECTION=1). Default: off, this replica acts alone.",
     )
-    run.add_argument(
-        "--lease-namespace",
-        default=os.environ.get("SPECPAIR_LEASE_NAMESPACE") or _own_namespace(),
-        help="Namespace of the Lease (env SPECPAIR_LEASE_NAMESPACE; default: the pod's own "
-        "namespace, else default).",
-    )
-    run.add_argument(
-        "--lease-name",
-        default=os.environ.get("SPECPAIR_LEASE_NAME", "specpair-operator"),
-        help="Name of the Lease (env SPECPAIR_LEASE_NAME).",
-    )
-    run.add_argument(
-        "--lease-seconds",
-        type=int,
-        default=int(os.environ.get("SPECPAIR_LEASE_SECONDS", "8")),
-        help="Lease duration: a killed leader is replaced within 1.5x this (default 8).",
-    )
-    run.add_argument(
-        "--workers",
-        type=int,
-        default=int(os.environ.get("SPECPAIR_WORKERS", "4")),
-        help="Reconcile worker threads (env SPECPAIR_WORKERS; default 4).",
-    )
-    run.add_argument(
-        "--resync-seconds",
-        type=float,
-        default=float(os.environ.get("SPECPAIR_RESYNC_SECONDS", "15")),
-        help="Interval of the level-based resync over every pair (from the watched copy; "
-        "it sends no request for a pair in line with its spec).",
-    )
-    run.add_argument(
-        "--scrape-seconds",
-        type=float,
-        default=float(os.environ.get("SPECPAIR_SCRAPE_SECONDS", "30")),
-        help="Interval of the acceptance scrape of the pods' /metrics.",
-    )
+    for flag in RUN_FLAGS:
+        flag.add_to(run)
     run.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -240,17 +283,12 @@ def _run_operator(args: argparse.Namespace) -> None:
         raise UsageError(
             f"SPECPAIR_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
         )
+    args.lease_namespace = args.lease_namespace or _own_namespace()
     # handlers.py reads these at import; set them first.
-    os.environ["SPECPAIR_RESYNC_SECONDS"] = str(args.resync_seconds)
-    os.environ["SPECPAIR_SCRAPE_SECONDS"] = str(args.scrape_seconds)
-    os.environ["SPECPAIR_METRICS_PORT"] = str(args.metrics_port)
-    os.environ["SPECPAIR_METRICS_ADDRESS"] = args.metrics_address
+    for flag in RUN_FLAGS:
+        flag.export(args)
     os.environ["SPECPAIR_WATCH_NAMESPACES"] = ",".join(args.namespace)
-    os.environ["SPECPAIR_WORKERS"] = str(args.workers)
     os.environ["SPECPAIR_LEADER_ELECTION"] = "1" if args.leader_election else ""
-    os.environ["SPECPAIR_LEASE_NAMESPACE"] = args.lease_namespace
-    os.environ["SPECPAIR_LEASE_NAME"] = args.lease_name
-    os.environ["SPECPAIR_LEASE_SECONDS"] = str(args.lease_seconds)
     identity = f"{socket.gethostname()}-{os.getpid()}"
     os.environ["SPECPAIR_IDENTITY"] = identity
     import kopf

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -70,6 +70,15 @@ LABEL_NAME_PATTERN = r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
 MAX_INLINE_GOLDEN_PROMPTS = 64
 MAX_GOLDEN_PROMPT_LENGTH = 4096
 MAX_INLINE_GOLDEN_BYTES = 256 * 1024  # all inline prompts, as JSON
+# Bounds of the runtime's serving options (CRD-safe, far beyond any sensible value).
+MAX_REQUEST_BODY_BYTES = 2**30
+MAX_SERVING_TIMEOUT_SECONDS = 3600.0
+MAX_DENY_PATTERNS = 64
+MAX_DENY_PATTERN_LENGTH = 1024
+MAX_NEAR_TIE_MARGIN = 100.0
+# What the runtime needs after its drain (serving.drainTimeoutSeconds) to stop the
+# engine and close the server: the pod's grace period is the drain plus this.
+SHUTDOWN_SLACK_SECONDS = 15
 # metav1.Condition's reason: CamelCase identifier.
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
@@ -80,6 +89,10 @@ GPUS_MESSAGE = (
 )
 TOLERATION_EXISTS_MESSAGE = "a toleration with operator Exists must not have a value"
 TOLERATION_EMPTY_KEY_MESSAGE = "a toleration without a key needs operator Exists"
+NEAR_TIE_INLINE_MESSAGE = (
+    "goldenPrompts.nearTieMargin applies to inline prompts only: a configMapRef file sets "
+    "its own nearTieMargin"
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,11 @@ CEL_RULES: tuple[CelRule, ...] = (
         "spec.goldenPrompts",
         "has(self.inline) != has(self.configMapRef)",
         "goldenPrompts needs exactly one of inline or configMapRef",
+    ),
+    CelRule(
+        "spec.goldenPrompts",
+        "!has(self.nearTieMargin) || has(self.inline)",
+        NEAR_TIE_INLINE_MESSAGE,
     ),
     CelRule(
         "spec.resources",
@@ -316,6 +334,19 @@ class GoldenPromptsSpec(ContractModel):
     config_map_ref: ConfigMapKeyRef | None = Field(
         default=None, description="A ConfigMap key holding a golden-prompt file."
     )
+    near_tie_margin: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=MAX_NEAR_TIE_MARGIN,
+        description=(
+            "For inline prompts (a configMapRef file sets its own): logits. Each prompt is "
+            "decoded greedily with and without the draft; where the two outputs first differ, "
+            "the difference passes only if the target ranks both tokens less than this far "
+            "below its top logit (a near-tie that floating-point numerics may flip), and the "
+            "outputs are not compared beyond it. 0 demands identical tokens. Unset: 0 on the "
+            "CPU, 0.5 on CUDA."
+        ),
+    )
 
     @field_validator("inline")
     @classmethod
@@ -329,6 +360,48 @@ class GoldenPromptsSpec(ContractModel):
                 f"{MAX_INLINE_GOLDEN_BYTES}: put them in a ConfigMap and use configMapRef"
             )
         return value
+
+
+DenyPattern = Annotated[str, Field(min_length=1, max_length=MAX_DENY_PATTERN_LENGTH)]
+
+
+class OutputFilterSpec(ContractModel):
+    """A deny-list the runtime applies to verified text only."""
+
+    deny_patterns: list[DenyPattern] = Field(
+        default_factory=list,
+        max_length=MAX_DENY_PATTERNS,
+        description=(
+            f"Python regexes (at most {MAX_DENY_PATTERNS}, {MAX_DENY_PATTERN_LENGTH} characters "
+            "each); a match in the verified text about to be released ends the response with "
+            "finish_reason content_filter."
+        ),
+    )
+
+    @field_validator("deny_patterns")
+    @classmethod
+    def _patterns_compile(cls, value: list[str]) -> list[str]:
+        # The runtime compiles them at start; a bad one would stop every pod of the revision.
+        for index, pattern in enumerate(value):
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"item {index}: {pattern!r} is not a valid regex: {error}"
+                ) from None
+        return value
+
+
+# ServingSpec fields that are runtime options passed through unchanged when set.
+RUNTIME_SERVING_OPTIONS = (
+    "max_step_tokens",
+    "cuda_graphs",
+    "max_request_body_bytes",
+    "header_timeout_seconds",
+    "body_timeout_seconds",
+    "drain_timeout_seconds",
+    "output_filter",
+)
 
 
 class ServingSpec(ContractModel):
@@ -346,8 +419,83 @@ class ServingSpec(ContractModel):
         description="Queued requests beyond which the server answers 429.",
     )
     api_key_secret: SecretKeyRef | None = Field(
-        default=None, description="Secret key holding the Bearer API key; unset means no auth."
+        default=None,
+        description=(
+            "Secret key holding the API keys; unset means no auth. Its value is either one "
+            "Bearer key (the whole value, whitespace stripped) or a YAML mapping `keys:` that "
+            "lists entries with `name` (the metrics label), `key` (at least 8 characters) and "
+            "`priority` (-1000 to 1000, default 0: the highest priority its requests may ask "
+            "for). The runtime re-reads it when the Secret changes, so keys rotate without "
+            "a restart."
+        ),
     )
+    # The runtime options below are optional: unset, the runtime's default applies (the
+    # descriptions say which) and the revision hash does not see them (revision.py).
+    max_step_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1048576,
+        description=(
+            "Chunked-prefill budget: tokens per engine step over all running requests. "
+            "Decoding streams always get theirs; prompts enter in chunks that fill the rest. "
+            "Smaller keeps inter-token latency flat while prompts arrive, larger gives a "
+            "shorter time to first token. Unset: measured by the runtime, starting at 32 on "
+            "the CPU and 2048 on CUDA, so that a step with prompt chunks takes at most a "
+            "quarter longer than a plain decode step."
+        ),
+    )
+    cuda_graphs: bool | None = Field(
+        default=None,
+        description=(
+            "On CUDA, replay decode and verify steps as captured CUDA graphs "
+            "(torch.compile); ignored on the CPU. Unset: true."
+        ),
+    )
+    max_request_body_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=MAX_REQUEST_BODY_BYTES,
+        description=(
+            "Largest request body in bytes (1Ki to 1Gi); larger ones get 413 before they are "
+            "read. Unset: 64Ki + 96 bytes x maxModelLength."
+        ),
+    )
+    header_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_SERVING_TIMEOUT_SECONDS,
+        description=(
+            "A request's headers must arrive within this many seconds, else 408 and the "
+            "connection closes. Unset: 10."
+        ),
+    )
+    body_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_SERVING_TIMEOUT_SECONDS,
+        description=(
+            "A request's body must arrive within this many seconds, else 408 and the "
+            "connection closes. Unset: 30."
+        ),
+    )
+    drain_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_SERVING_TIMEOUT_SECONDS,
+        description=(
+            "On SIGTERM, how long in-flight requests may finish; the pod's "
+            f"terminationGracePeriodSeconds is this, rounded up, plus {SHUTDOWN_SLACK_SECONDS}. "
+            "Unset: 30."
+        ),
+    )
+    output_filter: OutputFilterSpec | None = Field(
+        default=None,
+        description="A deny-list applied to verified text; unset means no filter.",
+    )
+
+    def runtime_options(self) -> dict[str, Any]:
+        """The runtime options this spec sets (snake_case keys); unset ones are left out."""
+        return self.model_dump(include=set(RUNTIME_SERVING_OPTIONS), exclude_none=True)
 
 
 NodeOperator = Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
@@ -559,6 +707,8 @@ class SpeculativePairSpec(ContractModel):
         golden = self.golden_prompts
         if golden is not None and (golden.inline is None) == (golden.config_map_ref is None):
             raise ValueError("goldenPrompts needs exactly one of inline or configMapRef")
+        if golden is not None and golden.near_tie_margin is not None and golden.inline is None:
+            raise ValueError(NEAR_TIE_INLINE_MESSAGE)
         if self.resources.gpu_memory is not None and self.resources.gpus == 0:
             raise ValueError("resources.gpuMemory needs resources.gpus >= 1")
         return self

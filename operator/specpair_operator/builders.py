@@ -1,7 +1,8 @@
 """Pure builders: a SpeculativePair (plus its plan and revision) → child manifests.
 
 Nothing here talks to the API server. Each builder returns a plain dict ready
-for a create/replace call; `handlers.py` decides whether to write it.
+for a create/replace call; `reconcile.apply_child` decides whether to write it
+(it compares the fields the operator owns with the live child, `drift.py`).
 
 Children of pair ``<name>``:
 
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from specpair_operator import api
-from specpair_operator.api import SpeculativePairSpec
+from specpair_operator.api import GoldenPromptsSpec, SpeculativePairSpec
 from specpair_runtime.config import (
     ModelSpec,
     PairInfo,
@@ -157,6 +159,7 @@ def runtime_config(pair: PairRef, spec: SpeculativePairSpec, *, speculate: bool)
             max_waiting_requests=spec.serving.max_waiting_requests,
             api_key_file=None if api_key is None else f"{API_KEY_DIR}/{api_key.key}",
             golden_prompts_file=golden_file(spec),
+            **spec.serving.runtime_options(),
         ),
     )
 
@@ -166,6 +169,20 @@ def knobs_in_force(spec: SpeculativePairSpec, *, speculate: bool) -> dict[str, o
     return _knobs(spec, speculate=speculate).model_dump(by_alias=True, mode="json")
 
 
+def inline_golden_file(golden: GoldenPromptsSpec) -> str:
+    """The golden-prompt file of inline prompts (the runtime's `GoldenFile` format)."""
+    document: dict[str, object] = {"prompts": [p.to_wire() for p in golden.inline or []]}
+    if golden.near_tie_margin is not None:
+        document["nearTieMargin"] = golden.near_tie_margin
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+def termination_grace_seconds(spec: SpeculativePairSpec) -> int:
+    """The pod's grace period: the runtime's drain, then time to stop the engine and exit."""
+    drain = spec.serving.drain_timeout_seconds or ServingOptions().drain_timeout_seconds
+    return math.ceil(drain) + api.SHUTDOWN_SLACK_SECONDS
+
+
 def config_map(
     pair: PairRef, spec: SpeculativePairSpec, revision: str, *, speculate: bool
 ) -> Manifest:
@@ -173,8 +190,7 @@ def config_map(
     data = {"runtime.yaml": dump_runtime_config(runtime_config(pair, spec, speculate=speculate))}
     golden = spec.golden_prompts
     if golden is not None and golden.inline is not None:
-        prompts = [p.to_wire() for p in golden.inline]
-        data["golden.yaml"] = yaml.safe_dump({"prompts": prompts}, sort_keys=False)
+        data["golden.yaml"] = inline_golden_file(golden)
     return _stamped(
         {
             "apiVersion": "v1",
@@ -323,8 +339,8 @@ def deployment(pair: PairRef, spec: SpeculativePairSpec, revision: str) -> Manif
         "volumes": volumes,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        # The runtime drains in-flight requests on SIGTERM (drainTimeoutSeconds, 30 s).
-        "terminationGracePeriodSeconds": 45,
+        # The runtime drains in-flight requests on SIGTERM (serving.drainTimeoutSeconds).
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUNTIME_UID,

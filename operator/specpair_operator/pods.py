@@ -14,17 +14,9 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from specpair_operator.builders import CONTAINER_NAME, REVISION_LABEL, PairRef
-from specpair_operator.kube import Kube, path_for
+from specpair_operator.builders import CONTAINER_NAME
 
 TIMEOUT_SECONDS = 2.0
-
-
-def list_pods(kube: Kube, pair: PairRef, revision: str | None = None) -> list[dict[str, Any]]:
-    selector = f"app.kubernetes.io/instance={pair.name}"
-    if revision is not None:
-        selector += f",{REVISION_LABEL}={revision}"
-    return kube.list(path_for("v1", "pods", pair.namespace), selector)
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:

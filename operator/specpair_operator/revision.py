@@ -9,7 +9,10 @@ out at once. The hash covers (camelCase spec paths):
   directory, so the source and its revision pin them;
 - ``runtimeImage``;
 - ``serving`` and ``goldenPrompts``: they are in the runtime config file,
-  which the runtime reads only at start;
+  which the runtime reads only at start. An optional field left unset (the
+  runtime's default applies) stays out of the hash (see `_set_fields`), so a
+  pair that does not use a field added in a later release keeps its revision
+  when the operator is upgraded, instead of rolling all its pods;
 - whether the draft is loaded at all (the placement: ``Colocated`` loads it,
   ``TargetOnly`` does not), because that changes what the pod loads.
 
@@ -23,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from specpair_operator.api import PairModel, SpeculativePairSpec
+from specpair_operator.api import RUNTIME_SERVING_OPTIONS, PairModel, SpeculativePairSpec
+from specpair_runtime.config import ContractModel
 
 REVISION_LENGTH = 10
 _MODEL_FIELDS = {"source", "revision", "gguf_file", "dtype", "quantization"}
@@ -31,6 +35,12 @@ _MODEL_FIELDS = {"source", "revision", "gguf_file", "dtype", "quantization"}
 
 def _model_identity(model: PairModel) -> dict[str, object]:
     return model.model_dump(include=_MODEL_FIELDS, by_alias=True, mode="json")
+
+
+def _set_fields(model: ContractModel, optional: tuple[str, ...]) -> dict[str, object]:
+    """The model's camelCase dump without those ``optional`` fields that are unset (None)."""
+    unset = {name for name in optional if getattr(model, name) is None}
+    return model.model_dump(exclude=unset, by_alias=True, mode="json")
 
 
 def revision_inputs(spec: SpeculativePairSpec, *, draft_loaded: bool) -> dict[str, object]:
@@ -41,8 +51,8 @@ def revision_inputs(spec: SpeculativePairSpec, *, draft_loaded: bool) -> dict[st
         "target": _model_identity(spec.target),
         "draft": _model_identity(spec.draft),
         "runtimeImage": spec.runtime_image,
-        "serving": spec.serving.model_dump(by_alias=True, mode="json"),
-        "goldenPrompts": None if golden is None else golden.model_dump(by_alias=True, mode="json"),
+        "serving": _set_fields(spec.serving, RUNTIME_SERVING_OPTIONS),
+        "goldenPrompts": None if golden is None else _set_fields(golden, ("near_tie_margin",)),
         "draftLoaded": draft_loaded,
     }
 

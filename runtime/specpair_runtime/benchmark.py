@@ -28,7 +28,7 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
-from specpair_runtime.engine.cpu_kernels import restore_default_linears
+from specpair_runtime.engine.cpu_kernels import restore_default_linears, use_onednn_linears
 from specpair_runtime.engine.oneshot import run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
@@ -318,6 +318,10 @@ def _one_round(
             if loaded is not None:
                 restore_default_linears(loaded.model)
         modes.append(run_hf_mode(pair, prompts, settings, HF_ASSISTED))
+        # The engine's kernels, with the plain weights kept for the next round's baseline.
+        for loaded in (pair.target, pair.draft):
+            if loaded is not None and loaded.device.type == "cpu":
+                use_onednn_linears(loaded.model, keep_plain=True)
     modes.append(run_engine_mode(pair, TARGET_ONLY, None, prompts, settings))
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)

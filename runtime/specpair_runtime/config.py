@@ -120,7 +120,8 @@ class ServingOptions(ContractModel):
         ge=1,
         description=(
             "Tokens per engine step over all running requests; a long prompt enters in "
-            "chunks that fit beside the running decodes. Default: 32 on the CPU, 2048 on CUDA."
+            "chunks that fit beside the running decodes. Default: measured (engine/budget.py), "
+            "starting at 32 on the CPU and 2048 on CUDA."
         ),
     )
     cuda_graphs: bool = Field(

@@ -25,6 +25,7 @@ from tests.support.operator_process import (
     create_pair,
     pair_manifest,
     pair_path,
+    running_operator,
     settled,
 )
 from tests.support.polling import get_or_none, wait_for
@@ -44,13 +45,13 @@ def namespace(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[str]:
 def operator(
     control_plane: ControlPlane, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    log = tmp_path_factory.mktemp("healing") / "operator.log"
-    process = Operator(
-        control_plane.kubeconfig_path, log, [namespace], resync_seconds=RESYNC_SECONDS
-    )
-    process.start()
-    yield process
-    process.stop()
+    with running_operator(
+        control_plane.kubeconfig_path,
+        tmp_path_factory.mktemp("healing"),
+        [namespace],
+        resync_seconds=RESYNC_SECONDS,
+    ) as process:
+        yield process
 
 
 def deployment(plane: ControlPlane, ns: str, name: str) -> dict[str, Any] | None:

@@ -7,7 +7,9 @@ maxItems) with a message naming the field, or, where v1.20 cannot say it
 reported by the operator: ``Degraded=True, InvalidSpec`` with the field in
 the message, one Warning Event, no child created, and no further writes on
 later passes. A rejection that only the apiserver can make (a quota) is
-reported the same way and clears once the cause is gone.
+reported the same way and clears once the cause is gone. The serving
+options and ``nearTieMargin`` are checked both ways: refused out of range,
+and rendered into the pod's config when valid.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from tools.control_plane import ControlPlane
 
 from tests.support.argocd_health import argocd_health
 from tests.support.k8s_fixtures import Kubectl
-from tests.support.operator_process import Operator, condition, install_crds, pair_path
+from tests.support.operator_process import (
+    Operator,
+    condition,
+    install_crds,
+    pair_path,
+    running_operator,
+)
 from tests.support.polling import PAIRS, get_or_none, wait_for
 
 pytestmark = pytest.mark.integration
@@ -69,11 +77,8 @@ def crds(control_plane: ControlPlane, kubectl: Kubectl) -> None:
 
 @pytest.fixture
 def operator(kubeconfig: Path, k8s_namespace: str, tmp_path: Path) -> Iterator[Operator]:
-    running = Operator(kubeconfig, tmp_path / "operator.log", [k8s_namespace]).start()
-    try:
+    with running_operator(kubeconfig, tmp_path, [k8s_namespace]) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def create(plane: ControlPlane, ns: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +134,13 @@ def test_the_schema_refuses_at_apply(
         (pair("gpus", resources__gpus=2), "spec.resources.gpus"),
         (pair("many", goldenPrompts=golden(65, 30)), "spec.goldenPrompts.inline"),
         (pair("long", goldenPrompts=golden(1, 4097)), "spec.goldenPrompts.inline.prompt"),
+        (pair("step0", serving__maxStepTokens=0), "spec.serving.maxStepTokens"),
+        (pair("header0", serving__headerTimeoutSeconds=0), "spec.serving.headerTimeoutSeconds"),
+        (pair("body1k", serving__maxRequestBodyBytes=1000), "spec.serving.maxRequestBodyBytes"),
+        (
+            pair("margin", goldenPrompts={**golden(1, 30), "nearTieMargin": -1}),
+            "spec.goldenPrompts.nearTieMargin",
+        ),
     ]
     for body, field in cases:
         message = refusal(control_plane, ns, body)
@@ -173,6 +185,14 @@ def test_what_v1_20_stores_the_operator_reports_once(
         (
             pair("same", draft__source=SAMPLE["spec"]["target"]["source"]),
             "draft.source must differ",
+        ),
+        (
+            pair("deny-regex", serving__outputFilter={"denyPatterns": ["(unclosed"]}),
+            "spec.serving.outputFilter.denyPatterns: item 0: '(unclosed' is not a valid regex",
+        ),
+        (
+            pair("margin-ref", goldenPrompts={"configMapRef": {"name": "g"}, "nearTieMargin": 1}),
+            "nearTieMargin applies to inline prompts only",
         ),
     ]
     for body, _ in cases:
@@ -264,3 +284,24 @@ def test_the_largest_inline_golden_set_reconciles(
     assert sum(len(k) + len(v) for k, v in annotations.items()) < 1024, annotations.keys()
     degraded = condition(found, "Degraded")
     assert degraded is None or degraded["status"] == "False", degraded
+
+
+def test_valid_serving_options_pass_the_apiserver_and_reach_the_config(
+    control_plane: ControlPlane, crds: None, operator: Operator, k8s_namespace: str
+) -> None:
+    ns, name = k8s_namespace, "options"
+    serving = {"maxStepTokens": 64, "cudaGraphs": False, "drainTimeoutSeconds": 60}
+    margin = {**golden(1, 30), "nearTieMargin": 0.25}
+    create(control_plane, ns, pair(name, serving=serving, goldenPrompts=margin))
+    dep = wait_for(
+        lambda: get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"),
+        "the Deployment",
+    )
+    pod = dep["spec"]["template"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 75
+    revision = pod["metadata"]["labels"]["specpair.dev/revision"]
+    data = get(control_plane, f"/api/v1/namespaces/{ns}/configmaps/{name}-{revision}")["data"]
+    rendered = yaml.safe_load(data["runtime.yaml"])["serving"]
+    assert (rendered["maxStepTokens"], rendered["cudaGraphs"]) == (64, False)
+    assert rendered["drainTimeoutSeconds"] == 60
+    assert yaml.safe_load(data["golden.yaml"])["nearTieMargin"] == 0.25

@@ -28,6 +28,7 @@ from tests.support.operator_process import (
     pair_manifest,
     pair_path,
     play_kubelet_ready,
+    running_operator,
 )
 from tests.support.polling import PAIRS, get_or_none, wait_for
 
@@ -46,11 +47,13 @@ def namespace(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[str]:
 def operator(
     control_plane: ControlPlane, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    log = tmp_path_factory.mktemp("truth") / "operator.log"
-    process = Operator(control_plane.kubeconfig_path, log, [namespace], resync_seconds=2)
-    process.start()
-    yield process
-    process.stop()
+    with running_operator(
+        control_plane.kubeconfig_path,
+        tmp_path_factory.mktemp("truth"),
+        [namespace],
+        resync_seconds=2,
+    ) as process:
+        yield process
 
 
 def pair(plane: ControlPlane, ns: str, name: str) -> dict[str, Any]:

@@ -189,6 +189,7 @@ def test_metrics_carry_pair_labels_on_every_series(client: httpx.Client) -> None
         "specpair_request_latency_seconds_count",
         "specpair_requests_running",
         "specpair_requests_waiting",
+        "specpair_step_token_budget",
     ]
     for name in names:
         assert f"\n{name}{{" in text, name
@@ -198,3 +199,4 @@ def test_metrics_carry_pair_labels_on_every_series(client: httpx.Client) -> None
     assert metric_value(text, "specpair_accepted_tokens_per_position_total", position="0") > 0
     assert metric_value(text, "specpair_speculation_enabled") == 1
     assert metric_value(text, "specpair_requests_running") == 0
+    assert metric_value(text, "specpair_step_token_budget") >= 8

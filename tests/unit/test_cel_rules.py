@@ -103,6 +103,10 @@ def test_cpu_sample_passes() -> None:
             "exactly one of inline or configMapRef",
         ),
         (mutated(goldenPrompts={}), "exactly one of inline or configMapRef"),
+        (
+            mutated(goldenPrompts={"configMapRef": {"name": "g"}, "nearTieMargin": 0.5}),
+            "nearTieMargin applies to inline prompts only",
+        ),
         (mutated(resources__gpus=0, resources__gpuMemory="80Gi"), "gpuMemory needs"),
         (mutated(resources__gpus=2), "resources.gpus must be 0 or 1: the runtime serves"),
         (
@@ -127,6 +131,12 @@ def test_rules_tolerate_absent_optional_fields() -> None:
     spec = mutated()
     spec["speculation"] = {"maxDepth": 2}
     assert cel_violations(spec) == []
+
+
+def test_inline_prompts_take_a_near_tie_margin() -> None:
+    spec = mutated(goldenPrompts__nearTieMargin=0.25)
+    assert cel_violations(spec) == []
+    assert parse_spec(spec).golden_prompts is not None
 
 
 @pytest.mark.parametrize(

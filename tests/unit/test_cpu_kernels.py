@@ -1,4 +1,4 @@
-"""oneDNN linears: same results as nn.Linear up to rounding, applied once, fp32 only."""
+"""Prepacked oneDNN linears: nn.Linear results up to rounding, batch-invariant, fp32 only."""
 
 from __future__ import annotations
 
@@ -27,15 +27,50 @@ def test_linears_are_switched_and_agree_with_the_default_kernel() -> None:
         assert use_onednn_linears(model) == 0  # already switched
         assert use_onednn_linears(half) == 0  # fp32 only
         got = model(x)
-        single = model(x[:, :1])  # one token, the target-only shape
+        single = model(x[:1, :1])  # one token, the target-only shape
+    assert got.shape == expected.shape and single.shape == (1, 1, 8)
     assert torch.allclose(got, expected, atol=1e-5)
-    assert torch.allclose(single, expected[:, :1], atol=1e-5)
+    assert torch.allclose(single, expected[:1, :1], atol=1e-5)
 
 
-def test_restoring_the_default_kernels_undoes_the_switch() -> None:
+@pytest.mark.parametrize(("inputs", "outputs"), [(1536, 8960), (8960, 1536), (64, 400)])
+def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(inputs: int, outputs: int) -> None:
+    # Greedy identity on the CPU rests on this: a 1-token target-only step and a
+    # (k+1)-token verify must compute the shared row alike. These shapes are the
+    # real target's MLP (where oneDNN's one-row path rounds differently) and a tiny one.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(inputs, outputs)
+    use_onednn_linears(layer)
+    x = torch.randn(9, inputs)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
+        for rows in (2, 5, 9):
+            together = layer(x[:rows])
+            assert torch.equal(together, alone[:rows]), f"{rows} rows differ from one row each"
+
+
+def test_untied_plain_weights_are_released_and_tied_ones_kept() -> None:
+    embedding = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight  # tied, as many LMs do
+    body = torch.nn.Linear(4, 4)
+    model = torch.nn.ModuleDict({"embed": embedding, "body": body, "head": head})
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        expected = head(body(x))
+        assert use_onednn_linears(model) == 2
+        got = head(body(x))
+    assert body.weight.numel() == 0  # released: the packed copy replaces it
+    assert head.weight is embedding.weight and head.weight.shape == (10, 4)
+    assert torch.allclose(got, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="keep_plain=True"):
+        restore_default_linears(model)
+
+
+def test_restoring_the_default_kernels_undoes_a_switch_that_kept_the_weights() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    assert use_onednn_linears(model) == 2
+    assert use_onednn_linears(model, keep_plain=True) == 2
     assert restore_default_linears(model) == 2
     assert all("forward" not in vars(m) for m in model.modules())
     assert restore_default_linears(model) == 0
-    assert use_onednn_linears(model) == 2  # and it can be switched again
+    assert use_onednn_linears(model, keep_plain=True) == 2  # and it can be switched again

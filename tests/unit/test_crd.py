@@ -126,3 +126,31 @@ def test_issue_11_bounds_are_in_the_schema() -> None:
     assert (
         tolerations["maxItems"] == 64 and len(tolerations["items"]["x-kubernetes-validations"]) == 2
     )
+
+
+def test_serving_options_have_int64_safe_bounds_and_no_defaults() -> None:
+    """Unset runtime options must stay unset (the runtime's default), so no CRD default."""
+    spec = schema()["properties"]["spec"]["properties"]
+    serving = spec["serving"]["properties"]
+    assert (serving["maxStepTokens"]["minimum"], serving["maxStepTokens"]["maximum"]) == (
+        1,
+        1048576,
+    )
+    body = serving["maxRequestBodyBytes"]
+    assert (body["minimum"], body["maximum"]) == (1024, api.MAX_REQUEST_BODY_BYTES)
+    assert body["maximum"] < 2**31  # fits int32, so no int64 format needed
+    for name in ("headerTimeoutSeconds", "bodyTimeoutSeconds", "drainTimeoutSeconds"):
+        timeout = serving[name]
+        assert timeout["type"] == "number" and timeout["exclusiveMinimum"] is True, name
+        assert (timeout["minimum"], timeout["maximum"]) == (0.0, 3600.0), name
+    assert serving["cudaGraphs"]["type"] == "boolean"
+    patterns = serving["outputFilter"]["properties"]["denyPatterns"]
+    assert patterns["maxItems"] == api.MAX_DENY_PATTERNS
+    assert patterns["items"]["maxLength"] == api.MAX_DENY_PATTERN_LENGTH
+    for field in api.RUNTIME_SERVING_OPTIONS:
+        alias = api.ServingSpec.model_fields[field].alias
+        assert alias is not None and "default" not in serving[alias], field
+    assert "YAML mapping `keys:`" in serving["apiKeySecret"]["description"]
+    margin = spec["goldenPrompts"]["properties"]["nearTieMargin"]
+    assert (margin["minimum"], margin["maximum"]) == (0.0, api.MAX_NEAR_TIE_MARGIN)
+    assert "default" not in margin

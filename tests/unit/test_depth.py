@@ -6,6 +6,7 @@ import pytest
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.depth import (
+    EXPLORE_EVERY,
     FIRST_BACKOFF,
     MIN_VERDICT_STEPS,
     TIMING_WINDOW,
@@ -131,3 +132,34 @@ def test_timings_are_the_recent_minimum_so_spikes_do_not_steer_the_depth() -> No
     for _ in range(TIMING_WINDOW):
         cost.record_verify(1, 5, 2.0)  # a real, lasting change is followed
     assert cost.verify_seconds[1][5] == 2.0
+
+
+def test_a_position_with_few_samples_leans_on_the_one_before() -> None:
+    cost = CostModel()
+    for _ in range(20):
+        cost.record_acceptance(2, 2)  # a long streak of full acceptance
+    cost.record_acceptance(2, 1)  # then one miss at position 1
+    rates = cost.acceptance(3)
+    assert rates[0] > 0.9
+    assert rates[1] > 0.85  # one miss after a streak is not a collapse
+    assert rates[2] == pytest.approx(rates[1])  # unseen: the previous position's rate
+    cold = CostModel()
+    cold.record_acceptance(2, 1)  # the same single miss with no history
+    assert cold.acceptance(2)[1] < rates[1]
+
+
+def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
+    controller = DepthController(SpeculationKnobs(max_depth=4))
+    cost = controller.cost
+    cost.record_draft(1, 0.2)
+    for n in range(1, 6):
+        cost.record_verify(1, n, 1.0)
+    cost.reached, cost.accepted = [100.0] * 4, [50.0, 10.0, 10.0, 10.0]
+    caps = []
+    for _ in range(2 * EXPLORE_EVERY):
+        caps.append(controller.plan(1).cap)
+        controller.record_speculation_step(1, 1)
+        cost.reached, cost.accepted = [100.0] * 4, [50.0, 10.0, 10.0, 10.0]
+        cost.steps_since_target_probe = 0
+    assert caps.count(4) == 2  # once every EXPLORE_EVERY steps
+    assert all(cap < 4 for cap in caps if cap != 4)

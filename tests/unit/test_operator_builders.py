@@ -9,10 +9,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from specpair_operator import builders
+from specpair_operator import api, builders
 from specpair_operator.api import SpeculativePairSpec, parse_spec
 from specpair_operator.builders import PairRef
-from specpair_runtime.config import parse_runtime_config
+from specpair_runtime.config import (
+    OutputFilter,
+    RuntimeConfig,
+    ServingOptions,
+    parse_runtime_config,
+)
 from specpair_runtime.golden import parse_golden
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,3 +195,84 @@ def test_knobs_in_force_match_the_config_map_and_turn_off_for_target_only() -> N
     assert builders.knobs_in_force(spec, speculate=True) == rendered["speculation"]
     off = builders.knobs_in_force(spec, speculate=False)
     assert off["enabled"] is False and off["maxDepth"] == spec.speculation.max_depth
+
+
+SERVING_OPTIONS: dict[str, Any] = {
+    "port": 8000,
+    "maxBatchSize": 8,
+    "maxModelLength": 4096,
+    "maxStepTokens": 128,
+    "cudaGraphs": False,
+    "maxRequestBodyBytes": 65536,
+    "headerTimeoutSeconds": 2.5,
+    "bodyTimeoutSeconds": 12,
+    "drainTimeoutSeconds": 60.5,
+    "outputFilter": {"denyPatterns": ["(?i)secret"]},
+}
+
+
+def rendered_config(spec: SpeculativePairSpec) -> RuntimeConfig:
+    cm = builders.config_map(PAIR, spec, REV, speculate=True)
+    return parse_runtime_config(yaml.safe_load(cm["data"]["runtime.yaml"]))
+
+
+def test_serving_options_reach_the_runtime_config() -> None:
+    spec = sample_spec(serving=SERVING_OPTIONS)
+    serving = rendered_config(spec).serving
+    assert serving.max_step_tokens == 128
+    assert serving.cuda_graphs is False
+    assert serving.max_request_body_bytes == 65536 and serving.request_body_limit == 65536
+    assert serving.header_timeout_seconds == 2.5
+    assert serving.body_timeout_seconds == 12.0
+    assert serving.drain_timeout_seconds == 60.5
+    assert serving.output_filter == OutputFilter(deny_patterns=["(?i)secret"])
+    assert serving.host == "0.0.0.0"  # set by the builder: the spec has no host
+    pod = builders.deployment(PAIR, spec, REV)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 61 + api.SHUTDOWN_SLACK_SECONDS
+
+
+def test_unset_serving_options_keep_the_runtime_defaults() -> None:
+    spec = sample_spec()
+    cm = builders.config_map(PAIR, spec, REV, speculate=True)
+    defaults = ServingOptions()
+    serving = rendered_config(spec).serving
+    for name in api.RUNTIME_SERVING_OPTIONS:
+        assert getattr(serving, name) == getattr(defaults, name), name
+    pod = builders.deployment(PAIR, spec, REV)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 45  # the default 30 s drain + 15
+    assert "nearTieMargin" not in yaml.safe_load(cm["data"]["golden.yaml"])
+
+
+def test_the_crd_carries_every_runtime_serving_option() -> None:
+    # The builder sets these itself: the bind address and the paths of mounted files.
+    set_by_the_builder = {"host", "api_key_file", "golden_prompts_file"}
+    from_the_spec = set(api.ServingSpec.model_fields) - {"api_key_secret"}
+    assert set(ServingOptions.model_fields) - set_by_the_builder == from_the_spec
+
+
+def test_inline_near_tie_margin_reaches_the_golden_file() -> None:
+    golden = {"inline": [{"name": "capital", "prompt": "The capital of France is"}]}
+    spec = sample_spec(goldenPrompts={**golden, "nearTieMargin": 0.25})
+    cm = builders.config_map(PAIR, spec, REV, speculate=True)
+    parsed = parse_golden(yaml.safe_load(cm["data"]["golden.yaml"]))
+    assert parsed.near_tie_margin == 0.25
+    assert [p.name for p in parsed.prompts] == ["capital"]
+
+
+def test_largest_serving_options_make_valid_manifests() -> None:
+    serving = {
+        **SERVING_OPTIONS,
+        "maxStepTokens": 1048576,
+        "maxRequestBodyBytes": api.MAX_REQUEST_BODY_BYTES,
+        "headerTimeoutSeconds": api.MAX_SERVING_TIMEOUT_SECONDS,
+        "bodyTimeoutSeconds": api.MAX_SERVING_TIMEOUT_SECONDS,
+        "drainTimeoutSeconds": api.MAX_SERVING_TIMEOUT_SECONDS,
+        "outputFilter": {"denyPatterns": ["x" * api.MAX_DENY_PATTERN_LENGTH] * 64},
+    }
+    spec = sample_spec(serving=serving)
+    assert rendered_config(spec).serving.max_step_tokens == 1048576
+    for child in (
+        builders.config_map(PAIR, spec, REV, speculate=True),
+        builders.deployment(PAIR, spec, REV),
+    ):
+        kubernetes_validate.validate(child, "1.27.0", strict=True)

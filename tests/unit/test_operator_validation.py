@@ -138,6 +138,40 @@ def test_the_samples_pass() -> None:
             "label value",
         ),
         (pair(serving__apiKeySecret={"name": "Api_Key", "key": "k"}), "apiKeySecret.name", ""),
+        (
+            pair(serving__maxStepTokens=0),
+            "spec.serving.maxStepTokens",
+            "greater than or equal to 1",
+        ),
+        (pair(serving__maxRequestBodyBytes=1023), "spec.serving.maxRequestBodyBytes", "1024"),
+        (
+            pair(serving__maxRequestBodyBytes=2**63),
+            "spec.serving.maxRequestBodyBytes",
+            "1073741824",
+        ),
+        (
+            pair(serving__headerTimeoutSeconds=0),
+            "spec.serving.headerTimeoutSeconds",
+            "greater than 0",
+        ),
+        (pair(serving__bodyTimeoutSeconds=-1), "spec.serving.bodyTimeoutSeconds", "greater than 0"),
+        (pair(serving__drainTimeoutSeconds=7200), "spec.serving.drainTimeoutSeconds", "3600"),
+        (pair(serving__cudaGraphs=[]), "spec.serving.cudaGraphs", "boolean"),
+        (
+            pair(serving__outputFilter={"denyPatterns": ["ok", "(unclosed"]}),
+            "spec.serving.outputFilter.denyPatterns",
+            "item 1: '(unclosed' is not a valid regex",
+        ),
+        (
+            pair(serving__outputFilter={"denyPatterns": ["x" * 1025]}),
+            "spec.serving.outputFilter.denyPatterns.0",
+            "1024",
+        ),
+        (
+            pair(goldenPrompts__nearTieMargin=-0.5),
+            "spec.goldenPrompts.nearTieMargin",
+            "greater than or equal to 0",
+        ),
         (pair(resources__gpus=2), "spec.resources.gpus", "the runtime serves the pair on one GPU"),
     ],
 )

@@ -70,11 +70,22 @@ def test_fields_outside_the_revision(path: str, value: object) -> None:
         ("draft.dtype", "float16"),
         ("runtimeImage", "ghcr.io/specpair/runtime:0.2.0"),
         ("serving.maxModelLength", 8192),
+        ("serving.maxStepTokens", 64),
+        ("serving.cudaGraphs", True),
+        ("serving.drainTimeoutSeconds", 30),
+        ("serving.outputFilter", {"denyPatterns": ["x"]}),
+        ("goldenPrompts.nearTieMargin", 0.5),
         ("goldenPrompts", {"configMapRef": {"name": "golden"}}),
     ],
 )
 def test_fields_in_the_revision(path: str, value: object) -> None:
     assert compute_revision(spec_with(path, value), draft_loaded=True) != BASE_REVISION
+
+
+def test_unset_optional_fields_keep_existing_revisions() -> None:
+    # The sample's revision before serving options and nearTieMargin entered the CRD: an
+    # operator upgrade must not roll the pods of pairs that do not set them.
+    assert BASE_REVISION == "852e23c6e6"
 
 
 def test_dropping_the_draft_is_a_new_revision() -> None:

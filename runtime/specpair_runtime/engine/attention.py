@@ -59,11 +59,12 @@ def slot_attention(
     for index in batch.solo_rows:
         row, mask = batch.rows[index], batch.masks[index]
         q = query[0, :, row.start : row.start + row.q_len]  # [Hq, q, D]
-        q = q.reshape(kv_heads, groups * row.q_len, dim)
-        k = key[row.slot, :, : row.kv_len]
-        v = value[row.slot, :, : row.kv_len]
+        # 4-D, so that the CPU picks its flash kernel (3-D takes the math path: 3-4x slower).
+        q = q.reshape(1, kv_heads, groups * row.q_len, dim)
+        k = key[row.slot : row.slot + 1, :, : row.kv_len]
+        v = value[row.slot : row.slot + 1, :, : row.kv_len]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        # [Hkv, G*q, D] -> [q, Hq, D]
+        # [1, Hkv, G*q, D] -> [q, Hq, D]
         out[0, row.start : row.start + row.q_len] = o.reshape(heads, row.q_len, dim).transpose(0, 1)
     return out, None
 

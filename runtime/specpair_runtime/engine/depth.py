@@ -18,7 +18,10 @@ by being cut short, not by wasted verify work):
    (n = 1 is a plain target-only step), per batch size, each the minimum of
    its last ``TIMING_WINDOW`` samples (noise on a shared machine only adds).
    With the acceptance rate a_i of draft position i (given that every
-   earlier one was accepted, decayed counts), the expected tokens per step
+   earlier one was accepted, decayed counts; a position with few samples
+   leans on the one before it, ``PRIOR_WEIGHT`` pseudo-counts of its rate,
+   since acceptance runs in streaks: once the draft is right it tends to
+   stay right), the expected tokens per step
    at depth d are ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` and the modelled
    throughput is ``E(d) / (d * t_d + t_v(d + 1))``. An unmeasured ``t_v(n)``
    takes the next measured value above it, and is held flat beyond the
@@ -31,7 +34,10 @@ by being cut short, not by wasted verify work):
    is 0 and the engine decodes target-only, re-probing speculation after
    16 steps, then 32, 64, ... (at most 256) while it keeps losing. While
    speculating it probes one target-only step when ``t_v(1)`` is unknown
-   (after the first speculation step) and every 64 speculation steps.
+   (after the first speculation step) and every 64 speculation steps, and
+   when the cap is below the batch cap, every ``EXPLORE_EVERY`` speculation
+   steps drafts at the batch cap once, so the deeper positions' acceptance
+   is measured again instead of frozen at an early unlucky estimate.
 4. ``acceptanceFloor`` / ``acceptanceWindow``: once the last ``window``
    speculation steps (engine-wide) have drafted tokens and accepted fewer
    than ``floor`` of them, speculation turns off for the whole engine with a
@@ -55,6 +61,8 @@ FIRST_BACKOFF = 16  # target-only steps before re-probing speculation
 MAX_BACKOFF = 256
 MIN_VERDICT_STEPS = 16  # speculation steps measured before "not paying" may be concluded
 NOT_PAYING_MARGIN = 1.05  # target-only must win by 5% to switch speculation off
+PRIOR_WEIGHT = 4.0  # pseudo-counts of the previous position's rate in a position's estimate
+EXPLORE_EVERY = 8  # speculation steps between steps at the batch cap (when the cap is lower)
 
 
 def batch_depth_cap(batch_size: int, knobs: SpeculationKnobs) -> int:
@@ -181,13 +189,16 @@ class CostModel:
         self.accepted = [a * ACCEPTANCE_DECAY for a in self.accepted]
 
     def acceptance(self, depth: int) -> list[float]:
-        """a_i per position, with a Beta(1, 1) prior; unseen positions reuse the last one."""
+        """a_i per position: position 0 with a Beta(1, 1) prior, each later one with
+        ``PRIOR_WEIGHT`` pseudo-counts at the previous position's rate (unseen: that rate)."""
         rates: list[float] = []
         for position in range(depth):
-            if position < len(self.reached) and self.reached[position] >= 1.0:
-                rates.append((self.accepted[position] + 1.0) / (self.reached[position] + 2.0))
+            reached = self.reached[position] if position < len(self.reached) else 0.0
+            accepted = self.accepted[position] if position < len(self.accepted) else 0.0
+            if not rates:
+                rates.append((accepted + 1.0) / (reached + 2.0))
             else:
-                rates.append(rates[-1] if rates else 0.5)
+                rates.append((accepted + PRIOR_WEIGHT * rates[-1]) / (reached + PRIOR_WEIGHT))
         return rates
 
     def throughput(self, batch_size: int, depth: int) -> float | None:
@@ -275,6 +286,8 @@ class DepthController:
             cost.speculation_samples = 0
             return StepPlan(max(self.knobs.min_depth, 1), None)
         cost.backoff = FIRST_BACKOFF
+        if cost_cap < cap and self.speculation_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            return StepPlan(cap, None)  # re-measure the deeper positions
         return StepPlan(cost_cap, None)
 
     def record_target_only_step(self, reason: str | None) -> None:

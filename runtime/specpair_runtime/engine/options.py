@@ -7,18 +7,20 @@ from dataclasses import dataclass
 import torch
 
 from specpair_runtime.config import ServingOptions
+from specpair_runtime.engine.budget import FLOOR, StepBudget
 
-# Per-step token budget when none is configured. On the CPU one prefill token
-# costs about as much as one decode row, so a small budget keeps the running
-# streams' inter-token latency flat while a long prompt enters in chunks; a
-# GPU is memory-bound far longer (vLLM's default for chunked prefill).
+# Where the per-step token budget starts when none is configured (it is then
+# measured, see budget.py). On the CPU one prefill token of a 1.5B model costs
+# about as much as one decode row; a GPU is memory-bound far longer (vLLM's
+# default for chunked prefill).
 DEFAULT_STEP_TOKENS_CPU = 32
 DEFAULT_STEP_TOKENS_CUDA = 2048
 # A waiting prefill gets at least this many tokens per step, even when the
 # running decodes use up the budget, so it is never starved.
-MIN_PREFILL_CHUNK = 8
+MIN_PREFILL_CHUNK = FLOOR
 # With no stream decoding, nobody waits on the step: prompts may take this
-# many budgets at once (fewer, larger chunks cost less in total).
+# many budgets at once (fewer, larger chunks cost less in total). It is also
+# the ceiling of a measured budget.
 IDLE_PREFILL_FACTOR = 8
 
 
@@ -29,7 +31,8 @@ class EngineOptions:
     max_slots: requests decoded at once (one KV slot each); more wait.
     max_length: prompt + output tokens per request (positions per slot).
     max_step_tokens: tokens per step over all rows (chunked prefill budget);
-        None picks ``DEFAULT_STEP_TOKENS_CPU`` / ``..._CUDA`` by device.
+        None measures it (``budget.py``), starting from
+        ``DEFAULT_STEP_TOKENS_CPU`` / ``..._CUDA`` by device.
     cuda_graphs: on CUDA, run uniform decode/verify steps through
         ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Ignored on the CPU.
     """
@@ -47,10 +50,12 @@ class EngineOptions:
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
 
-    def step_tokens(self, device: torch.device) -> int:
+    def step_budget(self, device: torch.device) -> StepBudget:
+        """The configured budget (fixed), or a measured one starting at the device default."""
         if self.max_step_tokens is not None:
-            return self.max_step_tokens
-        return DEFAULT_STEP_TOKENS_CUDA if device.type == "cuda" else DEFAULT_STEP_TOKENS_CPU
+            return StepBudget(self.max_step_tokens, self.max_step_tokens, fixed=True)
+        start = DEFAULT_STEP_TOKENS_CUDA if device.type == "cuda" else DEFAULT_STEP_TOKENS_CPU
+        return StepBudget(start, start * IDLE_PREFILL_FACTOR)
 
     @staticmethod
     def from_serving(serving: ServingOptions) -> EngineOptions:

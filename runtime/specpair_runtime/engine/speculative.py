@@ -11,9 +11,10 @@ A step, for every running request at once (``plan.py`` decides the shapes):
    token per row that still drafts. A row near ``max_new_tokens`` drafts
    fewer tokens (it leaves the later forwards), never wasted ones.
 4. Target: ONE flat forward over every row's tokens: ``[last, d1..dn]`` for a
-   decoding row, a prompt chunk for a prefilling row (the token budget
-   ``max_step_tokens`` bounds the chunks, so admissions never stall the
-   running streams).
+   decoding row, a prompt chunk for a prefilling row (the token budget,
+   ``budget.py``, bounds the chunks, so admissions never stall the running
+   streams; unless ``max_step_tokens`` fixes it, it is measured so that a
+   step with chunks stays close to a pure decode step).
 5. Sampling over the flat batch (``sampling.py``): accepted, recovered and
    bonus tokens; a prefill that reaches its last prompt token samples its
    first output token. One host sync reads the results.
@@ -237,7 +238,7 @@ class SpeculativeEngine:
         )
         self.tokenizer = target.tokenizer
         self.device = target.device
-        self.step_tokens = self.options.step_tokens(self.device)
+        self.budget = self.options.step_budget(self.device)
         self.knobs = knobs
         self.refused = speculation_refused
         self.controller = DepthController(knobs)
@@ -368,6 +369,11 @@ class SpeculativeEngine:
         return len(self._waiting)
 
     @property
+    def step_tokens(self) -> int:
+        """The current per-step token budget (fixed, or as measured so far)."""
+        return self.budget.tokens
+
+    @property
     def draft_storage_allocated(self) -> bool:
         return self.draft is not None and self.draft.storage is not None
 
@@ -449,7 +455,7 @@ class SpeculativeEngine:
             budget -= 1 + row.num_draft
             rows.append(row)
         if not rows:  # nothing decodes: nobody waits on this step
-            budget = self.step_tokens * IDLE_PREFILL_FACTOR
+            budget = self.budget.idle_tokens(IDLE_PREFILL_FACTOR)
         first_prefill = True
         for request in self._running:
             if request.decoding:
@@ -557,6 +563,8 @@ class SpeculativeEngine:
         return torch.tensor(list(values), dtype=torch.long).to(self.device, non_blocking=True)
 
     def _run(self, rows: list[_Row], depth: int, reason: str | None) -> list[StepEvent]:
+        decoding = sum(1 for r in rows if r.request.decoding)
+        prompt_tokens = sum(len(r.target_tokens) for r in rows if not r.request.decoding)
         timer = _StepTimer(self.device)
         draft_tokens, draft_probs = (
             self._draft(rows, depth)
@@ -596,6 +604,7 @@ class SpeculativeEngine:
                 sampling_rows, layout, logits, draft_tokens, draft_probs
             )
         draft_seconds, verify_seconds = timer.split()  # after the step's sync
+        self.budget.record(decoding, depth, prompt_tokens, draft_seconds + verify_seconds)
         self._advance_prefills(rows)
         self._record(rows, depth, reason, draft_seconds, verify_seconds)
         return events

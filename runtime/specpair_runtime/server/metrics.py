@@ -110,6 +110,13 @@ class ServerMetrics:
         self.requests_waiting = Gauge(
             "specpair_requests_waiting", "Requests in the waiting queue.", PAIR_LABELS, registry=reg
         ).labels(**labels)
+        self.step_token_budget = Gauge(
+            "specpair_step_token_budget",
+            "Tokens one engine step may take over all requests (chunked prefill budget: "
+            "serving.maxStepTokens, or as measured).",
+            PAIR_LABELS,
+            registry=reg,
+        ).labels(**labels)
         self._errors = Counter(
             "specpair_request_errors",
             "Requests answered with an error (or ended by one mid-stream), by error code.",

@@ -272,6 +272,10 @@ class Scheduler:
                 self.metrics.request_latency.observe(now - submission.arrival)
             submission.sink(Update(event=event))
         self.metrics.requests_running.set(len(self._running))
+        # SpeculativeEngine measures its budget; the protocol does not require it.
+        budget = getattr(self.engine, "step_tokens", None)
+        if isinstance(budget, int):
+            self.metrics.step_token_budget.set(budget)
         self._track_speculation()
 
     def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:

@@ -1,0 +1,124 @@
+"""The per-step token budget for prompt chunks (chunked prefill), measured or fixed.
+
+A step runs every decoding row, then prompt chunks fill the budget. How many
+prompt tokens a step can take without stretching the running streams'
+inter-token latency depends on the model and the machine, by orders of
+magnitude: on 2 CPU cores a 1.5B model's prompt token costs about what a
+decoding row does, while for the tiny test models any chunk costs the same
+few milliseconds (every parallel region wakes a sleeping OpenMP thread), and
+the number of tokens in it hardly matters. A fixed default is wrong for one
+of them.
+
+So unless ``serving.maxStepTokens`` fixes it, the budget is measured, as
+Sarathi-Serve sizes its chunks to a latency target, but online:
+
+- ``pure``: a step with decoding rows and no prompt chunk, per (decoding rows,
+  depth): the minimum of the last ``TIMING_WINDOW`` samples (a busy machine
+  only ever adds time).
+- ``extra``: a step of the same key with ``c`` prompt tokens took this much
+  longer than ``pure``. The last ``SAMPLES`` of them, as the median per
+  distinct ``c`` (one noisy step must not swing it), give a line
+  ``extra(c) = fixed + per_token * c`` (with one distinct ``c``: no fixed part).
+- The budget is the largest chunk that keeps a mixed step within
+  ``STEP_ALLOWANCE`` of the pure step: ``(STEP_ALLOWANCE * pure - fixed) /
+  per_token`` prompt tokens, plus the decoding rows' own. When the fixed part
+  alone breaks the allowance, no chunk size keeps it, and prompts enter in as
+  few steps as possible (the ceiling). The budget grows at most ``GROWTH``
+  times per step, so a larger chunk is probed before it is trusted, and stays
+  within [``FLOOR``, ``ceiling``].
+
+With no stream decoding, nobody waits on the step: prompts take ``ceiling``
+tokens at once (fewer, larger chunks cost less in total).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from specpair_runtime.engine.depth import TIMING_WINDOW
+
+# A step that carries prompt chunks may take this much longer than a pure decode step.
+STEP_ALLOWANCE = 0.25
+GROWTH = 2.0
+SAMPLES = 16  # mixed steps that the line is fitted to
+# Never below what a waiting prefill is guaranteed anyway (engine/options.py).
+FLOOR = 8
+
+
+@dataclass
+class StepBudget:
+    """Tokens per step over all rows; ``fixed`` budgets never change."""
+
+    tokens: int
+    ceiling: int
+    fixed: bool = False
+    pure: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    extra: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.ceiling < self.tokens:
+            raise ValueError(
+                f"step budget needs 1 <= tokens <= ceiling, got {self.tokens}, {self.ceiling}"
+            )
+
+    def idle_tokens(self, idle_factor: int) -> int:
+        """Tokens for a step with no decoding row (nobody waits on it)."""
+        return self.tokens * idle_factor if self.fixed else self.ceiling
+
+    def record(self, decoding_rows: int, depth: int, prompt_tokens: int, seconds: float) -> None:
+        """One step's wall time: ``decoding_rows`` decoded at ``depth`` beside ``prompt_tokens``."""
+        if self.fixed or decoding_rows == 0:
+            return
+        key = (decoding_rows, depth)
+        window = self.pure.get(key)
+        if prompt_tokens == 0:
+            if window is None:
+                window = self.pure[key] = deque(maxlen=TIMING_WINDOW)
+            window.append(seconds)
+            return
+        if window is None:
+            return  # no pure step of this shape to compare with yet
+        pure = min(window)
+        self.extra.append((prompt_tokens, max(seconds - pure, 0.0)))
+        self.tokens = self._next(pure, decoding_rows * (depth + 1))
+
+    def _next(self, pure: float, decode_tokens: int) -> int:
+        fixed, per_token = chunk_cost(self.extra)
+        room = STEP_ALLOWANCE * pure - fixed
+        if per_token <= 0.0:
+            wanted = self.ceiling
+        elif room <= 0.0:
+            wanted = self.ceiling  # every chunk breaks the allowance: as few as possible
+        else:
+            wanted = int(room / per_token) + decode_tokens
+        grown = int(self.tokens * GROWTH)
+        return max(FLOOR, min(wanted, grown, self.ceiling))
+
+
+def chunk_cost(samples: deque[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed seconds, seconds per prompt token) of a mixed step, from (tokens, extra) samples.
+
+    The median extra per distinct chunk size, then a least-squares line
+    through those points, clipped to non-negative parts; with one distinct
+    size the whole extra is per token (the cautious reading).
+    """
+    by_size: dict[int, list[float]] = {}
+    for tokens, extra in samples:
+        by_size.setdefault(tokens, []).append(extra)
+    points = [(float(c), statistics.median(e)) for c, e in by_size.items()]
+    if len(points) == 1:
+        c, extra = points[0]
+        return 0.0, extra / c
+    mean_c = statistics.fmean(c for c, _ in points)
+    mean_e = statistics.fmean(e for _, e in points)
+    spread = sum((c - mean_c) ** 2 for c, _ in points)
+    slope = sum((c - mean_c) * (e - mean_e) for c, e in points) / spread
+    if slope <= 0.0:
+        return max(mean_e, 0.0), 0.0
+    intercept = mean_e - slope * mean_c
+    if intercept < 0.0:  # a line through the origin instead
+        slope = sum(c * e for c, e in points) / sum(c * c for c, _ in points)
+        intercept = 0.0
+    return intercept, slope

@@ -1,0 +1,106 @@
+"""The measured per-step token budget (chunked prefill)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from specpair_runtime.engine.budget import FLOOR, GROWTH, STEP_ALLOWANCE, StepBudget, chunk_cost
+from specpair_runtime.engine.options import (
+    DEFAULT_STEP_TOKENS_CPU,
+    IDLE_PREFILL_FACTOR,
+    EngineOptions,
+)
+
+
+def test_a_configured_budget_is_fixed() -> None:
+    budget = EngineOptions(max_step_tokens=48).step_budget(_cpu())
+    budget.record(4, 1, 0, 0.010)
+    budget.record(4, 1, 48, 0.500)  # a slow chunk does not move it
+    assert budget.fixed and budget.tokens == 48
+    assert budget.idle_tokens(IDLE_PREFILL_FACTOR) == 48 * IDLE_PREFILL_FACTOR
+
+
+def test_an_unconfigured_budget_starts_at_the_device_default() -> None:
+    budget = EngineOptions().step_budget(_cpu())
+    assert not budget.fixed
+    assert budget.tokens == DEFAULT_STEP_TOKENS_CPU
+    assert budget.idle_tokens(IDLE_PREFILL_FACTOR) == budget.ceiling
+
+
+def test_cheap_chunks_grow_the_budget_at_most_by_growth_per_step() -> None:
+    budget = StepBudget(32, 256)
+    budget.record(8, 1, 0, 0.010)
+    budget.record(8, 1, 32, 0.010)  # the chunk cost nothing measurable
+    assert budget.tokens == int(32 * GROWTH)
+    for _ in range(10):
+        budget.record(8, 1, budget.tokens, 0.0101)
+    assert budget.tokens == 256  # the ceiling
+
+
+def test_expensive_chunks_shrink_the_budget_to_the_allowance() -> None:
+    budget = StepBudget(32, 256)
+    pure = 0.100
+    per_token = 0.005  # each prompt token costs 5 % of a decode step
+    budget.record(4, 2, 0, pure)
+    budget.record(4, 2, 32, pure + 32 * per_token)
+    expected = int(STEP_ALLOWANCE * pure / per_token) + 4 * 3
+    assert budget.tokens == expected == 17
+
+
+def test_the_budget_never_falls_below_the_floor() -> None:
+    budget = StepBudget(32, 256)
+    budget.record(1, 0, 0, 0.001)
+    budget.record(1, 0, 32, 10.0)
+    assert budget.tokens == FLOOR
+
+
+def test_one_noisy_step_does_not_swing_the_estimate() -> None:
+    budget = StepBudget(32, 256)
+    budget.record(2, 1, 0, 0.100)
+    for _ in range(4):
+        budget.record(2, 1, 20, 0.100 + 20 * 0.001)
+    settled = budget.tokens
+    budget.record(2, 1, 20, 5.0)  # a neighbour's burst
+    assert budget.tokens == settled
+    assert not budget.fixed
+
+
+def test_a_chunk_without_a_pure_step_of_its_shape_is_not_used() -> None:
+    budget = StepBudget(32, 256)
+    budget.record(2, 1, 0, 0.100)
+    budget.record(3, 1, 32, 9.0)  # 3 decoding rows: no pure step to compare with
+    budget.record(0, 0, 256, 9.0)  # an idle step: nobody waited
+    assert budget.tokens == 32 and not budget.extra
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="tokens <= ceiling"):
+        StepBudget(64, 32)
+
+
+def _cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def test_chunk_cost_fits_a_fixed_part_and_a_per_token_part() -> None:
+    samples = deque([(16, 0.010 + 16 * 0.001), (32, 0.010 + 32 * 0.001), (64, 0.010 + 64 * 0.001)])
+    fixed, per_token = chunk_cost(samples)
+    assert fixed == pytest.approx(0.010)
+    assert per_token == pytest.approx(0.001)
+
+
+def test_chunk_cost_with_one_size_charges_it_all_per_token() -> None:
+    assert chunk_cost(deque([(20, 0.040), (20, 0.050), (20, 0.045)])) == (0.0, 0.045 / 20)
+
+
+def test_a_fixed_cost_beyond_the_allowance_takes_prompts_in_few_steps() -> None:
+    # Tiny models: any chunk costs a few milliseconds (thread wake-ups), whatever its size.
+    budget = StepBudget(32, 256)
+    budget.record(8, 1, 0, 0.005)
+    for _ in range(12):
+        size = budget.tokens - 16
+        budget.record(8, 1, size, 0.005 + 0.004 + size * 1e-6)
+    assert budget.tokens == 256
