@@ -68,12 +68,23 @@ def test_one_noisy_step_does_not_swing_the_estimate() -> None:
     assert not budget.fixed
 
 
-def test_a_chunk_without_a_pure_step_of_its_shape_is_not_used() -> None:
+def test_a_chunk_without_a_pure_step_of_its_depth_is_not_used() -> None:
     budget = StepBudget(32, 256)
     budget.record(2, 1, 0, 0.100)
-    budget.record(3, 1, 32, 9.0)  # 3 decoding rows: no pure step to compare with
+    budget.record(2, 3, 32, 9.0)  # depth 3: no pure step to compare with
     budget.record(0, 0, 256, 9.0)  # an idle step: nobody waited
     assert budget.tokens == 32 and not budget.extra
+
+
+def test_a_chunk_compares_with_the_nearest_batch_size_when_its_own_was_never_pure() -> None:
+    # Under steady arrivals the step that takes a prompt has one decoding row
+    # fewer than the pure steps around it.
+    budget = StepBudget(32, 256)
+    budget.record(8, 1, 0, 0.100)
+    budget.record(2, 1, 0, 0.010)
+    budget.record(7, 1, 32, 0.100 + 32 * 0.001)
+    tokens, extra = budget.extra[-1]
+    assert tokens == 32 and extra == pytest.approx(32 * 0.001)
 
 
 def test_bad_sizes_are_refused() -> None:

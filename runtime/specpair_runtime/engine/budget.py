@@ -12,12 +12,14 @@ of them.
 So unless ``serving.maxStepTokens`` fixes it, the budget is measured, as
 Sarathi-Serve sizes its chunks to a latency target, but online:
 
-- ``pure``: a step with decoding rows and no prompt chunk, per (decoding rows,
-  depth): the minimum of the last ``TIMING_WINDOW`` samples (a busy machine
-  only ever adds time).
-- ``extra``: a step of the same key with ``c`` prompt tokens took this much
-  longer than ``pure``. The last ``SAMPLES`` of them, as the median per
-  distinct ``c`` (one noisy step must not swing it), give a line
+- ``pure``: a step with decoding rows and no prompt chunk (neither the
+  target's nor a draft catch-up), per (decoding rows, depth): the minimum of
+  the last ``TIMING_WINDOW`` samples (a busy machine only ever adds time).
+- ``extra``: a step of the same key (or, when none was pure yet, of the same
+  depth and the nearest number of rows) with ``c`` prompt tokens (the target's
+  chunks plus the draft's catch-up) took this much longer than ``pure``.
+  The last ``SAMPLES`` of them, as the median per distinct ``c`` (one noisy
+  step must not swing it), give a line
   ``extra(c) = fixed + per_token * c`` (with one distinct ``c``: no fixed part).
 - The budget is the largest chunk that keeps a mixed step within
   ``STEP_ALLOWANCE`` of the pure step: ``(STEP_ALLOWANCE * pure - fixed) /
@@ -72,17 +74,31 @@ class StepBudget:
         if self.fixed or decoding_rows == 0:
             return
         key = (decoding_rows, depth)
-        window = self.pure.get(key)
         if prompt_tokens == 0:
-            if window is None:
-                window = self.pure[key] = deque(maxlen=TIMING_WINDOW)
-            window.append(seconds)
+            self.pure.setdefault(key, deque(maxlen=TIMING_WINDOW)).append(seconds)
             return
+        window = self._pure_window(decoding_rows, depth)
         if window is None:
             return  # no pure step of this shape to compare with yet
         pure = min(window)
         self.extra.append((prompt_tokens, max(seconds - pure, 0.0)))
         self.tokens = self._next(pure, decoding_rows * (depth + 1))
+
+    def _pure_window(self, decoding_rows: int, depth: int) -> deque[float] | None:
+        """Pure steps of this shape, else of the same depth and the nearest number of rows.
+
+        Under steady arrivals a step that takes a new prompt usually has one
+        decoding row fewer than the pure steps around it, so the exact shape
+        is rare; on a tie the smaller batch wins (it errs towards smaller chunks).
+        """
+        exact = self.pure.get((decoding_rows, depth))
+        if exact is not None:
+            return exact
+        near = [rows for rows, d in self.pure if d == depth]
+        if not near:
+            return None
+        rows = min(near, key=lambda r: (abs(r - decoding_rows), r))
+        return self.pure[(rows, depth)]
 
     def _next(self, pure: float, decode_tokens: int) -> int:
         fixed, per_token = chunk_cost(self.extra)

@@ -564,7 +564,9 @@ class SpeculativeEngine:
 
     def _run(self, rows: list[_Row], depth: int, reason: str | None) -> list[StepEvent]:
         decoding = sum(1 for r in rows if r.request.decoding)
+        # Prompt work of the step: the target's chunks and the drafts' catch-up chunks.
         prompt_tokens = sum(len(r.target_tokens) for r in rows if not r.request.decoding)
+        prompt_tokens += sum(len(r.draft_tokens) for r in rows if not r.draft_samples)
         timer = _StepTimer(self.device)
         draft_tokens, draft_probs = (
             self._draft(rows, depth)
