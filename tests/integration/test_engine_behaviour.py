@@ -8,7 +8,8 @@ from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
-from specpair_runtime.engine.options import MIN_PREFILL_CHUNK, EngineOptions
+from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 
 NEW = 24

@@ -7,7 +7,13 @@ from collections import deque
 import pytest
 import torch
 
-from specpair_runtime.engine.budget import FLOOR, GROWTH, STEP_ALLOWANCE, StepBudget, chunk_cost
+from specpair_runtime.engine.budget import (
+    GROWTH,
+    MIN_PREFILL_CHUNK,
+    STEP_ALLOWANCE,
+    StepBudget,
+    chunk_cost,
+)
 from specpair_runtime.engine.options import (
     DEFAULT_STEP_TOKENS_CPU,
     IDLE_PREFILL_FACTOR,
@@ -20,14 +26,14 @@ def test_a_configured_budget_is_fixed() -> None:
     budget.record(4, 1, 0, 0.010)
     budget.record(4, 1, 48, 0.500)  # a slow chunk does not move it
     assert budget.fixed and budget.tokens == 48
-    assert budget.idle_tokens(IDLE_PREFILL_FACTOR) == 48 * IDLE_PREFILL_FACTOR
+    assert budget.ceiling == 48 * IDLE_PREFILL_FACTOR
 
 
 def test_an_unconfigured_budget_starts_at_the_device_default() -> None:
     budget = EngineOptions().step_budget(_cpu())
     assert not budget.fixed
     assert budget.tokens == DEFAULT_STEP_TOKENS_CPU
-    assert budget.idle_tokens(IDLE_PREFILL_FACTOR) == budget.ceiling
+    assert budget.ceiling == DEFAULT_STEP_TOKENS_CPU * IDLE_PREFILL_FACTOR
 
 
 def test_cheap_chunks_grow_the_budget_at_most_by_growth_per_step() -> None:
@@ -54,7 +60,7 @@ def test_the_budget_never_falls_below_the_floor() -> None:
     budget = StepBudget(32, 256)
     budget.record(1, 0, 0, 0.001)
     budget.record(1, 0, 32, 10.0)
-    assert budget.tokens == FLOOR
+    assert budget.tokens == MIN_PREFILL_CHUNK
 
 
 def test_one_noisy_step_does_not_swing_the_estimate() -> None:

@@ -27,7 +27,7 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   alone breaks the allowance, no chunk size keeps it, and prompts enter in as
   few steps as possible (the ceiling). The budget grows at most ``GROWTH``
   times per step, so a larger chunk is probed before it is trusted, and stays
-  within [``FLOOR``, ``ceiling``].
+  within [``MIN_PREFILL_CHUNK``, ``ceiling``].
 
 With no stream decoding, nobody waits on the step: prompts take ``ceiling``
 tokens at once (fewer, larger chunks cost less in total).
@@ -45,13 +45,19 @@ from specpair_runtime.engine.depth import TIMING_WINDOW
 STEP_ALLOWANCE = 0.25
 GROWTH = 2.0
 SAMPLES = 16  # mixed steps that the line is fitted to
-# Never below what a waiting prefill is guaranteed anyway (engine/options.py).
-FLOOR = 8
+# A waiting prefill gets at least this many tokens per step, even when the
+# running decodes use up the budget, so it is never starved; the budget never
+# falls below it either.
+MIN_PREFILL_CHUNK = 8
 
 
 @dataclass
 class StepBudget:
-    """Tokens per step over all rows; ``fixed`` budgets never change."""
+    """Tokens per step over all rows; ``fixed`` budgets never change.
+
+    ``ceiling``: the most a measured budget grows to, and what a step with no
+    decoding row takes (nobody waits on it).
+    """
 
     tokens: int
     ceiling: int
@@ -64,10 +70,6 @@ class StepBudget:
             raise ValueError(
                 f"step budget needs 1 <= tokens <= ceiling, got {self.tokens}, {self.ceiling}"
             )
-
-    def idle_tokens(self, idle_factor: int) -> int:
-        """Tokens for a step with no decoding row (nobody waits on it)."""
-        return self.tokens * idle_factor if self.fixed else self.ceiling
 
     def record(self, decoding_rows: int, depth: int, prompt_tokens: int, seconds: float) -> None:
         """One step's wall time: ``decoding_rows`` decoded at ``depth`` beside ``prompt_tokens``."""
@@ -110,7 +112,7 @@ class StepBudget:
         else:
             wanted = int(room / per_token) + decode_tokens
         grown = int(self.tokens * GROWTH)
-        return max(FLOOR, min(wanted, grown, self.ceiling))
+        return max(MIN_PREFILL_CHUNK, min(wanted, grown, self.ceiling))
 
 
 def chunk_cost(samples: deque[tuple[int, float]]) -> tuple[float, float]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specpair_runtime.config import ServingOptions
-from specpair_runtime.engine.budget import FLOOR, StepBudget
+from specpair_runtime.engine.budget import StepBudget
 
 # Where the per-step token budget starts when none is configured (it is then
 # measured, see budget.py). On the CPU one prefill token of a 1.5B model costs
@@ -15,9 +15,6 @@ from specpair_runtime.engine.budget import FLOOR, StepBudget
 # default for chunked prefill).
 DEFAULT_STEP_TOKENS_CPU = 32
 DEFAULT_STEP_TOKENS_CUDA = 2048
-# A waiting prefill gets at least this many tokens per step, even when the
-# running decodes use up the budget, so it is never starved.
-MIN_PREFILL_CHUNK = FLOOR
 # With no stream decoding, nobody waits on the step: prompts may take this
 # many budgets at once (fewer, larger chunks cost less in total). It is also
 # the ceiling of a measured budget.
@@ -53,7 +50,8 @@ class EngineOptions:
     def step_budget(self, device: torch.device) -> StepBudget:
         """The configured budget (fixed), or a measured one starting at the device default."""
         if self.max_step_tokens is not None:
-            return StepBudget(self.max_step_tokens, self.max_step_tokens, fixed=True)
+            ceiling = self.max_step_tokens * IDLE_PREFILL_FACTOR
+            return StepBudget(self.max_step_tokens, ceiling, fixed=True)
         start = DEFAULT_STEP_TOKENS_CUDA if device.type == "cuda" else DEFAULT_STEP_TOKENS_CPU
         return StepBudget(start, start * IDLE_PREFILL_FACTOR)
 

@@ -49,15 +49,12 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
+from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
 from specpair_runtime.engine.loading import LoadedModel
-from specpair_runtime.engine.options import (
-    IDLE_PREFILL_FACTOR,
-    MIN_PREFILL_CHUNK,
-    EngineOptions,
-)
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.runner import ModelRunner
 from specpair_runtime.engine.sampling import (
     FlatLayout,
@@ -432,8 +429,8 @@ class SpeculativeEngine:
 
         Decoding rows always run (the streams never wait); prefill chunks fill
         what the budget leaves, first come first served, at least
-        ``MIN_PREFILL_CHUNK`` tokens (``IDLE_PREFILL_FACTOR`` budgets when no
-        row decodes). The draft gets its own budget of the same size for
+        ``MIN_PREFILL_CHUNK`` tokens (the budget's ceiling when no row
+        decodes). The draft gets its own budget of the same size for
         catch-up chunks.
         """
         budget = self.step_tokens
@@ -455,7 +452,7 @@ class SpeculativeEngine:
             budget -= 1 + row.num_draft
             rows.append(row)
         if not rows:  # nothing decodes: nobody waits on this step
-            budget = self.budget.idle_tokens(IDLE_PREFILL_FACTOR)
+            budget = self.budget.ceiling
         first_prefill = True
         for request in self._running:
             if request.decoding:
