@@ -27,6 +27,7 @@ from tests.support.server_harness import (
     InProcessServer,
     in_process_server,
     metric_value,
+    stream_completion,
     write_config,
 )
 
@@ -88,14 +89,7 @@ def server(
 async def stream(client: httpx.AsyncClient, started: asyncio.Event, **fields: Any) -> list[str]:
     body = {"prompt": "Hello, how can I help", "max_tokens": 30, "temperature": 0,
             "stream": True, **fields}  # fmt: skip
-    payloads = []
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                payloads.append(line[5:].strip())
-                started.set()
-    return payloads
+    return await stream_completion(client, body, started)
 
 
 def stream_error(payloads: list[str]) -> dict[str, Any] | None:

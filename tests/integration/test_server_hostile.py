@@ -29,6 +29,7 @@ from tests.support.server_harness import (
     eventually,
     metric_value,
     sse_events,
+    stream_completion,
     subprocess_server,
     wait_until_ready,
     write_config,
@@ -129,14 +130,7 @@ def test_tiny_temperatures_fail_no_batch_mate_and_leak_nothing(hostile: Hostile)
     async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
         body = {"prompt": "Hello, how can I help", "max_tokens": 40, "temperature": 0.8,
                 "seed": 7, "stream": True}  # fmt: skip
-        payloads: list[str] = []
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    payloads.append(line[5:].strip())
-                    started.set()
-        return payloads
+        return await stream_completion(client, body, started)
 
     async def run() -> tuple[list[list[str]], list[httpx.Response]]:
         async with httpx.AsyncClient(

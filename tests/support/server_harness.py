@@ -7,6 +7,7 @@ memory probe's test hook and the output filter.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -207,6 +208,20 @@ def sse_events(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line.startswith("data:"):
             yield line[len("data:") :].strip()
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, body: dict[str, Any], started: asyncio.Event
+) -> list[str]:
+    """POST a streaming completion; its ``data:`` payloads. ``started`` is set at the first."""
+    payloads: list[str] = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                payloads.append(line[len("data:") :].strip())
+                started.set()
+    return payloads
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
