@@ -51,6 +51,13 @@ DEFAULT_RUNTIME_IMAGE = "ghcr.io/specpair/runtime:0.1.0"
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$"
 # A memory size: not zero, no milli suffix, at most 19 integer digits: 80Gi, 512Mi, 0.5Gi.
 BYTES_PATTERN = r"^([1-9][0-9]{0,18}(\.[0-9]+)?|0?\.[0-9]*[1-9][0-9]*)([KMGTPE]i|[kMGTPE])?$"
+# What each Kubernetes quantity suffix multiplies by (decimal SI and binary IEC).
+QUANTITY_SUFFIXES: dict[str, Decimal] = {
+    "": Decimal(1),
+    "m": Decimal("0.001"),
+    **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", start=1)},
+    **{s + "i": Decimal(2) ** (10 * i) for i, s in enumerate("KMGTPE", start=1)},
+}
 # Memory sizes above this are refused: the plan's byte counts must fit status's int64 fields.
 MAX_MEMORY_BYTES = 2**60  # 1Ei
 # A planned total above this cannot be written to status (int64), whatever the device.
@@ -881,10 +888,7 @@ def memory_bytes(text: str) -> int:
         )
     match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", text)
     assert match is not None  # BYTES_PATTERN guarantees it
-    scale = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
-    scale |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-    scale |= {"Pi": 2**50, "Ei": 2**60}
-    value = int(Decimal(match.group(1)) * scale[match.group(2)])
+    value = int(Decimal(match.group(1)) * QUANTITY_SUFFIXES[match.group(2)])
     if value < 1:
         raise ValueError(f"{text!r} is less than one byte")
     if value > MAX_MEMORY_BYTES:

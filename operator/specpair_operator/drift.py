@@ -31,28 +31,14 @@ from collections.abc import Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from specpair_operator.api import QUANTITY_SUFFIXES
+
 Obj = dict[str, Any]
 
 # Paths (dotted, lists as []) whose maps must not hold extra keys.
 EXACT_MAPS = frozenset({"spec.selector"})
 _QUANTITY_PARENTS = frozenset({"requests", "limits"})
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?$")
-_SUFFIX = {
-    "": Decimal(1),
-    "m": Decimal("0.001"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
-}
 # Sections of a child whose top-level keys the operator owns wholesale.
 _SECTIONS = ("spec", "data")
 # Template metadata maps that others add to (kubectl rollout restart's restartedAt).
@@ -69,7 +55,7 @@ def quantity_value(text: object) -> Decimal | None:
         value = Decimal(number)
         if suffix[:1] in ("e", "E"):
             return value * Decimal(10) ** int(suffix[1:])
-        return value * _SUFFIX[suffix]
+        return value * QUANTITY_SUFFIXES[suffix]
     except (InvalidOperation, ValueError):
         return None
 

@@ -17,28 +17,12 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from specpair_operator.api import PairModel, SpeculativePairSpec, Toleration
+from specpair_operator.api import QUANTITY_SUFFIXES, PairModel, SpeculativePairSpec, Toleration
 from specpair_runtime.planner import ModelGeometry, Plan, plan
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 MIB = 1024**2
 
-_SUFFIX: dict[str, Decimal | int] = {
-    "": 1,
-    "m": Decimal("0.001"),
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$")
 
 
@@ -48,7 +32,7 @@ def parse_quantity(text: str, *, field: str = "quantity") -> int:
     if match is None:
         raise ValueError(f"{field}: {text!r} is not a quantity such as 80Gi or 81920Mi")
     number, suffix = match.group(1), match.group(2) or ""
-    return int(Decimal(number) * _SUFFIX[suffix])
+    return int(Decimal(number) * QUANTITY_SUFFIXES[suffix])
 
 
 @dataclass(frozen=True)
