@@ -39,6 +39,9 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Future[None] | None = None
         self._forced_task: asyncio.Future[None] | None = None
+        # Counted in the handler itself: the tasks start only when the loop next
+        # runs, so two quick signals would otherwise both look like the first.
+        self.signals_received = 0
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -50,17 +53,17 @@ class DrainingServer(uvicorn.Server):
         if self._loop is None:
             self.should_exit = True
             return
-        if self._drain_task is None:
+        self.signals_received += 1
+        if self.signals_received == 1:
             log.info("received signal %d: draining", sig)
             self._loop.call_soon_threadsafe(self._begin_drain)
-            return
-        if self._forced_task is None:
+        elif self.signals_received == 2:
             log.warning("received signal %d again: forced stop, failing open requests", sig)
             self.state.forced_stop = True
             self._loop.call_soon_threadsafe(self._begin_forced_stop)
-            return
-        self.force_exit = True
-        self.should_exit = True
+        else:
+            self.force_exit = True
+            self.should_exit = True
 
     def _begin_drain(self) -> None:
         if self._drain_task is None:
