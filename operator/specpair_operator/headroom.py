@@ -17,13 +17,19 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from specpair_operator.api import QUANTITY_SUFFIXES, PairModel, SpeculativePairSpec, Toleration
+from specpair_operator.api import (
+    QUANTITY_PATTERN,
+    QUANTITY_SUFFIXES,
+    PairModel,
+    SpeculativePairSpec,
+    Toleration,
+)
 from specpair_runtime.planner import ModelGeometry, Plan, plan
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 MIB = 1024**2
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$")
+_QUANTITY = re.compile(QUANTITY_PATTERN)  # the CRD's own pattern: (number)(fraction)(suffix)
 
 
 def parse_quantity(text: str, *, field: str = "quantity") -> int:
@@ -31,7 +37,7 @@ def parse_quantity(text: str, *, field: str = "quantity") -> int:
     match = _QUANTITY.match(text.strip())
     if match is None:
         raise ValueError(f"{field}: {text!r} is not a quantity such as 80Gi or 81920Mi")
-    number, suffix = match.group(1), match.group(2) or ""
+    number, suffix = match.group(1), match.group(3) or ""
     return int(Decimal(number) * QUANTITY_SUFFIXES[suffix])
 
 

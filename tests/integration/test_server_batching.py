@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Iterator
@@ -189,3 +190,10 @@ def test_priority_first_then_fifo(single_slot_server: InProcessServer) -> None:
     start = time.monotonic()
     asyncio.run(run())
     assert finished == ["high-1", "high-2", "low-1", "low-2"], (finished, time.monotonic() - start)
+
+
+def test_a_serving_process_keeps_its_loaded_heap_out_of_collections(
+    server: InProcessServer,
+) -> None:
+    # A full collection over the models' objects stalls every stream (startup.py).
+    assert gc.get_freeze_count() > 10_000

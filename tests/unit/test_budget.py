@@ -121,3 +121,18 @@ def test_a_fixed_cost_beyond_the_allowance_takes_prompts_in_few_steps() -> None:
         size = budget.tokens - 16
         budget.record(8, 1, size, 0.005 + 0.004 + size * 1e-6)
     assert budget.tokens == 256
+
+
+def test_close_chunk_sizes_are_read_per_token_however_the_noise_tilts_the_line() -> None:
+    # 8, 9 and 10 tokens whose noisy extras fall with size: a fitted line is flat
+    # ("chunks are free") and would double the budget; per token it stays put.
+    samples = deque([(8, 0.080), (9, 0.072), (10, 0.070)])
+    fixed, per_token = chunk_cost(samples)
+    assert fixed == 0.0
+    assert per_token == pytest.approx((8 * 0.080 + 9 * 0.072 + 10 * 0.070) / (64 + 81 + 100))
+    budget = StepBudget(16, 256)
+    budget.record(8, 0, 0, 0.300)
+    for tokens, extra in samples:
+        budget.record(8, 0, tokens, 0.300 + extra)
+    # 25 % of 300 ms buys 9 prompt tokens at 8.1 ms each, beside the 8 decodes; not 32.
+    assert budget.tokens == int(STEP_ALLOWANCE * 0.300 / per_token) + 8 == 17

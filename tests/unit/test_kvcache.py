@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 from tools.tiny_models import ModelKind, as_loaded, build_model, build_pair, build_tokenizer
 
 from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine import kvcache
 from specpair_runtime.engine.api import SamplingParams
-from specpair_runtime.engine.kvcache import KVGeometry, RowSpan, lower_right_causal
+from specpair_runtime.engine.kvcache import (
+    KVGeometry,
+    RowSpan,
+    SlotGroup,
+    build_flat_batch,
+    lower_right_causal,
+)
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.runner import ModelRunner
 from specpair_runtime.engine.speculative import SpeculativeEngine
@@ -84,6 +94,30 @@ def test_unequal_rows_in_one_flat_forward_equal_separate_forwards(runner: ModelR
     steps = _forward(runner, [(0, len(a) + 2, [9]), (1, len(b) + 1, [11])])
     for joint, solo in zip(verify, steps, strict=True):
         assert torch.allclose(joint, solo, atol=ATOL)
+
+
+def test_rows_in_slot_order_attend_through_slices_with_the_same_result(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = torch.device("cpu")
+    in_order = [RowSpan(0, 0, 1, 4), RowSpan(1, 1, 1, 6), RowSpan(2, 2, 1, 2)]
+    (group,) = build_flat_batch(in_order, cpu, groups=1).slot_groups
+    assert group.contiguous_start == 0
+    gapped = [RowSpan(0, 0, 1, 4), RowSpan(2, 1, 1, 2)]  # slot 1 is not in the step
+    assert build_flat_batch(gapped, cpu, groups=1).slot_groups[0].contiguous_start is None
+    _forward(runner, [(0, 0, TOKENS[:4]), (1, 0, TOKENS[4:10]), (2, 0, TOKENS[10:12])])
+    step = [(0, 4, [7]), (1, 6, [8]), (2, 2, [9])]
+    sliced = _forward(runner, step)
+    # The same step through the gather/scatter form.
+    original = kvcache._slot_group
+
+    def without_slices(*args: Any) -> SlotGroup:
+        return dataclasses.replace(original(*args), contiguous_start=None)
+
+    monkeypatch.setattr(kvcache, "_slot_group", without_slices)
+    gathered = _forward(runner, step)
+    for fast, slow in zip(sliced, gathered, strict=True):
+        assert torch.equal(fast, slow)
 
 
 def test_dense_attention_equals_varlen(runner: ModelRunner) -> None:

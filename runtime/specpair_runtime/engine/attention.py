@@ -80,16 +80,23 @@ def _group(
     """Rows of equal length in one call over the view of their slot range."""
     heads, dim = query.shape[1], query.shape[3]
     rows, q_len = len(group.rows), group.q_len
-    picked = query[0].index_select(1, group.tokens)  # [Hq, R*q, D]
-    picked = picked.view(heads, rows, q_len, dim).transpose(0, 1)  # [R, Hq, q, D]
-    span = group.hi - group.lo + 1
-    q = query.new_zeros((span, heads, q_len, dim))
-    q[group.offsets] = picked
     k = key[group.lo : group.hi + 1, :, : group.kv_max]
     v = value[group.lo : group.hi + 1, :, : group.kv_max]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=key.shape[1] != heads
-    )
+    gqa = key.shape[1] != heads
+    first = group.contiguous_start
+    if first is not None:  # rows fill the slot range in order: slices only
+        span = slice(first, first + rows * q_len)
+        q = query[0, :, span].view(heads, rows, q_len, dim).transpose(0, 1)  # [R, Hq, q, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=gqa
+        )
+        out[0, span] = o.transpose(1, 2).reshape(rows * q_len, heads, dim)
+        return
+    picked = query[0].index_select(1, group.tokens)  # [Hq, R*q, D]
+    picked = picked.view(heads, rows, q_len, dim).transpose(0, 1)  # [R, Hq, q, D]
+    q = query.new_zeros((group.hi - group.lo + 1, heads, q_len, dim))
+    q[group.offsets] = picked
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=gqa)
     o = o.index_select(0, group.offsets).transpose(1, 2).reshape(rows * q_len, heads, dim)
     out[0, group.tokens] = o
 

@@ -20,7 +20,8 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   chunks plus the draft's catch-up) took this much longer than ``pure``.
   The last ``SAMPLES`` of them, as the median per distinct ``c`` (one noisy
   step must not swing it), give a line
-  ``extra(c) = fixed + per_token * c`` (with one distinct ``c``: no fixed part).
+  ``extra(c) = fixed + per_token * c`` (with one distinct ``c``, or a flat
+  line over sizes less than ``FIT_SPREAD`` apart: all of it per token).
 - The budget is the largest chunk that keeps a mixed step within
   ``STEP_ALLOWANCE`` of the pure step: ``(STEP_ALLOWANCE * pure - fixed) /
   per_token`` prompt tokens, plus the decoding rows' own. When the fixed part
@@ -49,6 +50,9 @@ SAMPLES = 16  # mixed steps that the line is fitted to
 # running decodes use up the budget, so it is never starved; the budget never
 # falls below it either.
 MIN_PREFILL_CHUNK = 8
+# A flat line ("chunks cost the same whatever their size") is believed only
+# over chunk sizes at least this factor apart.
+FIT_SPREAD = 2.0
 
 
 @dataclass
@@ -119,24 +123,34 @@ def chunk_cost(samples: deque[tuple[int, float]]) -> tuple[float, float]:
     """(fixed seconds, seconds per prompt token) of a mixed step, from (tokens, extra) samples.
 
     The median extra per distinct chunk size, then a least-squares line
-    through those points, clipped to non-negative parts; with one distinct
-    size the whole extra is per token (the cautious reading).
+    through those points, clipped to non-negative parts. With one distinct
+    size the whole extra is per token (the cautious reading); so too when the
+    line comes out flat over sizes less than ``FIT_SPREAD`` apart.
     """
     by_size: dict[int, list[float]] = {}
     for tokens, extra in samples:
         by_size.setdefault(tokens, []).append(extra)
     points = [(float(c), statistics.median(e)) for c, e in by_size.items()]
     if len(points) == 1:
-        c, extra = points[0]
-        return 0.0, extra / c
+        return 0.0, _through_origin(points)
     mean_c = statistics.fmean(c for c, _ in points)
     mean_e = statistics.fmean(e for _, e in points)
     spread = sum((c - mean_c) ** 2 for c, _ in points)
     slope = sum((c - mean_c) * (e - mean_e) for c, e in points) / spread
     if slope <= 0.0:
+        sizes = [c for c, _ in points]
+        if max(sizes) < FIT_SPREAD * min(sizes):
+            # Sizes this close (8, 9, 10 tokens) cannot tell "chunks are free" from
+            # noise: read that way once, the budget doubled into a step 40 % slower
+            # than its neighbours (the 1.5B pair on 2 cores).
+            return 0.0, _through_origin(points)
         return max(mean_e, 0.0), 0.0
     intercept = mean_e - slope * mean_c
     if intercept < 0.0:  # a line through the origin instead
-        slope = sum(c * e for c, e in points) / sum(c * c for c, _ in points)
-        intercept = 0.0
+        return 0.0, _through_origin(points)
     return intercept, slope
+
+
+def _through_origin(points: list[tuple[float, float]]) -> float:
+    """Seconds per token of the least-squares line ``extra = per_token * c``."""
+    return sum(c * e for c, e in points) / sum(c * c for c, _ in points)

@@ -151,6 +151,10 @@ class SlotGroup:
     tokens: torch.Tensor  # [R * q_len] flat token indices, row by row
     offsets: torch.Tensor  # [R] slot - lo
     mask: torch.Tensor  # bool [hi - lo + 1, 1, q_len, kv_max]
+    # The first flat token when the rows fill the slot range in order and sit
+    # back to back in the batch (every plain decode step): then the queries are
+    # a slice, with no gather or scatter. None otherwise.
+    contiguous_start: int | None = None
 
 
 def _slot_group(rows: list[RowSpan], members: list[int], device: torch.device) -> SlotGroup:
@@ -167,6 +171,10 @@ def _slot_group(rows: list[RowSpan], members: list[int], device: torch.device) -
     tokens = [t for r in chosen for t in range(r.start, r.start + q_len)]
     index = torch.tensor([*tokens, *(r.slot - lo for r in chosen)], dtype=torch.long)
     index = index.to(device, non_blocking=True)
+    start = chosen[0].start
+    in_order = hi - lo + 1 == len(chosen) and all(
+        row.slot == lo + i and row.start == start + i * q_len for i, row in enumerate(chosen)
+    )
     return SlotGroup(
         rows=members,
         lo=lo,
@@ -176,6 +184,7 @@ def _slot_group(rows: list[RowSpan], members: list[int], device: torch.device) -
         tokens=index[: len(tokens)],
         offsets=index[len(tokens) :],
         mask=mask[:, None].to(device, non_blocking=True),
+        contiguous_start=start if in_order else None,
     )
 
 

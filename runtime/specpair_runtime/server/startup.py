@@ -6,6 +6,7 @@ Runs in its own thread after the server listens, so /healthz answers and
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from pathlib import Path
@@ -99,6 +100,7 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
             max_batch_size=config.serving.max_batch_size,
             max_waiting=config.serving.max_waiting_requests,
         )
+        freeze_long_lived_objects()
         scheduler.start()
         state.scheduler = scheduler
         if state.config_path is not None:
@@ -111,6 +113,18 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
     except Exception as error:
         log.exception("startup failed")
         state.readiness.set("failed", f"startup failed: {error}")
+
+
+def freeze_long_lived_objects() -> None:
+    """Take what is alive now (modules, models, tokenizer) out of the garbage collector's scans.
+
+    They are hundreds of thousands of objects: one full collection over them
+    took 146 ms with the 1.5B pair loaded, a stall of every running stream at
+    random moments (it set the p99 inter-token latency of the server
+    benchmark). Frozen, they are never scanned again; as vLLM does.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def start_loader(state: ServerState, watch_interval_seconds: float = 2.0) -> threading.Thread:
@@ -128,3 +142,4 @@ def stop_serving(state: ServerState) -> None:
         state.watcher.stop()
     if state.scheduler is not None:
         state.scheduler.stop()
+    gc.unfreeze()  # a process that serves again (tests do) must not keep today's objects frozen
