@@ -15,6 +15,7 @@ so long prompts keep arriving while the other streams decode: the load that
 chunked prefill (``serving.maxStepTokens``) exists for.
 
     python bench/bench_server.py --tiny                       # tiny models built in code
+    python bench/bench_server.py --real-pair --long-prompt-words 100   # after make models
     python bench/bench_server.py --config runtime.yaml --streams 1,4,8
     python bench/bench_server.py --config runtime.yaml --long-prompt-words 400
 """
@@ -122,6 +123,24 @@ def tiny_config(directory: Path) -> dict[str, Any]:
         "target": {"source": str(target), "dtype": "float32"},
         "draft": {"source": str(draft), "dtype": "float32"},
         "speculation": {"maxDepth": 4},
+    }
+
+
+def real_pair_config(device: str | None) -> dict[str, Any]:
+    """The 1.5B/0.5B Qwen pair that ``make models`` put in the cache, as ``make bench`` runs it."""
+    sys.path.insert(0, str(REPO))
+    from tools.fetch_models import CacheLayout, converted_pair, default_cache
+
+    dirs = converted_pair(CacheLayout(default_cache()))  # FetchError names what is missing
+    on_cuda = device is not None and device.startswith("cuda")
+    return {
+        "pair": {"name": "qwen2.5-coder", "version": "bench"},
+        "target": {"source": str(dirs["target"])},
+        # A cheap draft is what makes speculation pay on a CPU (as in make bench).
+        "draft": {
+            "source": str(dirs["draft"]),
+            "quantization": "none" if on_cuda else "int8-dynamic",
+        },
     }
 
 
@@ -317,6 +336,9 @@ def main() -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", type=Path, help="runtime config file of the pair")
     source.add_argument("--tiny", action="store_true", help="build the tiny test pair")
+    source.add_argument(
+        "--real-pair", action="store_true", help="the Qwen pair of make models (int8 draft on CPU)"
+    )
     parser.add_argument("--streams", type=parse_streams, default=[1, 8], metavar="N,N")
     parser.add_argument("--requests-per-stream", type=int, default=4, metavar="N")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
@@ -335,7 +357,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         workdir = Path(tmp)
-        config = tiny_config(workdir) if args.tiny else yaml.safe_load(args.config.read_text())
+        if args.tiny:
+            config = tiny_config(workdir)
+        elif args.real_pair:
+            config = real_pair_config(args.device)
+        else:
+            config = yaml.safe_load(args.config.read_text())
         levels: list[LevelResult] = []
         for mode in args.modes.split(","):
             levels += bench_mode(config, mode.strip(), args, workdir)
