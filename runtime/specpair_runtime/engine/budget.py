@@ -4,10 +4,10 @@ A step runs every decoding row, then prompt chunks fill the budget. How many
 prompt tokens a step can take without stretching the running streams'
 inter-token latency depends on the model and the machine, by orders of
 magnitude: on 2 CPU cores a 1.5B model's prompt token costs about what a
-decoding row does, while for the tiny test models any chunk costs the same
-few milliseconds (every parallel region wakes a sleeping OpenMP thread), and
-the number of tokens in it hardly matters. A fixed default is wrong for one
-of them.
+decoding row does, while for the tiny test models in the server any chunk
+costs the same ~2 ms (the server's other threads, most likely: in one
+process those chunks cost ~14 µs a token), and the number of tokens in it
+hardly matters. A fixed default is wrong for one of them.
 
 So unless ``serving.maxStepTokens`` fixes it, the budget is measured, as
 Sarathi-Serve sizes its chunks to a latency target, but online:
