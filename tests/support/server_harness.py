@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import yaml
 
-from specpair_runtime.config import load_runtime_config
+from specpair_runtime.config import load_runtime_config, parse_runtime_config
 from specpair_runtime.server.command import start_key_watcher
 from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.runner import DrainingServer, build_server
@@ -40,6 +40,19 @@ def free_port() -> int:
         sock.bind((HOST, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def bare_server_state(serving: dict[str, Any] | None = None) -> ServerState:
+    """A ServerState over a config whose models are never loaded (unit tests)."""
+    config = parse_runtime_config(
+        {
+            "pair": {"name": "p", "version": "1"},
+            "target": {"source": "/models/target"},
+            "draft": {"source": "/models/draft"},
+            "serving": serving or {},
+        }
+    )
+    return ServerState(config)
 
 
 def write_config(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tools.tiny_models import as_loaded, build_pair
 
-from specpair_runtime.config import ServingOptions, SpeculationKnobs, parse_runtime_config
+from specpair_runtime.config import ServingOptions, SpeculationKnobs
 from specpair_runtime.engine.device_plan import (
     HEADROOM_FRACTION,
     DeviceMemory,
@@ -22,6 +22,7 @@ from specpair_runtime.engine.pair import LoadedPair, check_pair
 from specpair_runtime.planner import GIB, ModelGeometry, plan
 from specpair_runtime.server.startup import apply_device_plan
 from specpair_runtime.server.state import ServerState
+from tests.support.server_harness import bare_server_state
 
 # The Qwen2.5-Coder 1.5B target and 0.5B draft in bf16: parameter counts of the
 # model cards; layers, KV heads and head size of their config.json.
@@ -147,25 +148,13 @@ def test_plan_on_a_real_cuda_device() -> None:
     assert result.memory.held_bytes > 0  # the tiny weights sit in the caching allocator
 
 
-def server_state(serving: dict[str, object]) -> ServerState:
-    config = parse_runtime_config(
-        {
-            "pair": {"name": "p", "version": "1"},
-            "target": {"source": "/models/target"},
-            "draft": {"source": "/models/draft"},
-            "serving": serving,
-        }
-    )
-    return ServerState(config)
-
-
 def plan_series(state: ServerState) -> list[str]:
     text = state.metrics.render().decode()
     return [line for line in text.splitlines() if line.startswith("specpair_device_plan{")]
 
 
 def test_the_startup_hook_changes_nothing_on_the_cpu() -> None:
-    pair, state = tiny(), server_state({})
+    pair, state = tiny(), bare_server_state({})
     assert apply_device_plan(state, pair) is None
     assert pair.draft is not None and plan_series(state) == []
 
@@ -185,7 +174,7 @@ def test_the_startup_hook_drops_a_draft_that_does_not_fit_on_this_gpu() -> None:
     # Tokens that leave the target (and 1 GiB overhead) 0.1 GiB short of the usable
     # memory: the draft's equal KV cannot fit beside it. Only planned, never allocated.
     tokens = int((usable - 1.1 * GIB - target.parameters * 4) // per_token)
-    state = server_state({"maxBatchSize": 1, "maxModelLength": tokens})
+    state = bare_server_state({"maxBatchSize": 1, "maxModelLength": tokens})
     reason = apply_device_plan(state, pair)
     assert reason is not None and reason.startswith("target-only: draft needs "), reason
     assert pair.draft is None and not pair.engine().speculation_active
