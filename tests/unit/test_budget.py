@@ -114,10 +114,10 @@ def test_chunk_cost_with_one_size_charges_it_all_per_token() -> None:
 
 
 def test_a_fixed_cost_beyond_the_allowance_takes_prompts_in_few_steps() -> None:
-    # Tiny models: any chunk costs a few milliseconds (thread wake-ups), whatever its size.
+    # Tiny models: any chunk costs a few milliseconds (in the server), whatever its size.
     budget = StepBudget(32, 256)
     budget.record(8, 1, 0, 0.005)
-    for _ in range(12):
+    for _ in range(16):
         size = budget.tokens - 16
         budget.record(8, 1, size, 0.005 + 0.004 + size * 1e-6)
     assert budget.tokens == 256
@@ -136,3 +136,26 @@ def test_close_chunk_sizes_are_read_per_token_however_the_noise_tilts_the_line()
         budget.record(8, 0, tokens, 0.300 + extra)
     # 25 % of 300 ms buys 9 prompt tokens at 8.1 ms each, beside the 8 decodes; not 32.
     assert budget.tokens == int(STEP_ALLOWANCE * 0.300 / per_token) + 8 == 17
+
+
+def test_a_draft_catch_up_alone_is_neither_pure_nor_a_chunk_sample() -> None:
+    budget = StepBudget(32, 256)
+    budget.record(4, 1, 0, 0.100)
+    budget.record(4, 1, 0, 0.130, draft_catch_up=20)  # the draft prefills a prompt
+    assert min(budget.pure[(4, 1)]) == 0.100 and len(budget.pure[(4, 1)]) == 1
+    assert not budget.extra and budget.tokens == 32
+
+
+def test_the_budget_counts_target_tokens_so_the_drafts_catch_up_fits_in_the_allowance() -> None:
+    # A prompt token costs the target 8 ms and the draft 1.5 ms; the draft catches
+    # up on as many tokens as the target took. Charged per target token, a step
+    # with its catch-up stays within the allowance; charged per token of both
+    # models, the per-token cost read 4.75 ms and the steps took 1.4x a pure one.
+    target_ms, draft_ms, pure = 0.008, 0.0015, 0.540
+    budget = StepBudget(16, 256)
+    budget.record(7, 1, 0, pure)
+    for _ in range(12):
+        chunk = budget.tokens - 7 * 2
+        budget.record(7, 1, chunk, pure + chunk * (target_ms + draft_ms), draft_catch_up=chunk)
+    chunk = budget.tokens - 7 * 2
+    assert pure + chunk * (target_ms + draft_ms) <= (1 + STEP_ALLOWANCE) * pure

@@ -9,6 +9,7 @@ from specpair_runtime.engine.depth import (
     EXPLORE_EVERY,
     FIRST_BACKOFF,
     MIN_VERDICT_STEPS,
+    PROBE_TARGET_EVERY,
     TIMING_WINDOW,
     AcceptanceFloor,
     CostModel,
@@ -163,3 +164,18 @@ def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
         cost.steps_since_target_probe = 0
     assert caps.count(4) == 2  # once every EXPLORE_EVERY steps
     assert all(cap < 4 for cap in caps if cap != 4)
+
+
+def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
+    # Prompts arriving all the time: a probe in a step with a chunk would not be
+    # timed, and asking for it again on every such step stops speculation.
+    controller = DepthController(SpeculationKnobs(max_depth=4))
+    controller.cost.record_draft(1, 0.5)
+    controller.cost.record_verify(1, 5, 3.0)
+    controller.record_speculation_step(4, 1)
+    assert controller.plan(1, timed=False).cap >= 1
+    assert (controller.plan(1).cap, controller.plan(1).reason) == (0, "probe")
+    controller.cost.record_verify(1, 1, 1.0)
+    controller.cost.steps_since_target_probe = PROBE_TARGET_EVERY
+    assert controller.plan(1, timed=False).cap >= 1
+    assert controller.plan(1).reason == "probe"

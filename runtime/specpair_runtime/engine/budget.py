@@ -16,8 +16,15 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   target's nor a draft catch-up), per (decoding rows, depth): the minimum of
   the last ``TIMING_WINDOW`` samples (a busy machine only ever adds time).
 - ``extra``: a step of the same key (or, when none was pure yet, of the same
-  depth and the nearest number of rows) with ``c`` prompt tokens (the target's
-  chunks plus the draft's catch-up) took this much longer than ``pure``.
+  depth and the nearest number of rows) with ``c`` target prompt tokens took
+  this much longer than ``pure``. ``c`` counts the target's chunks only:
+  the draft catches up on the same tokens a step later, from a budget of the
+  same size, so a budget token costs one target token plus one draft token,
+  and that is what the line measures. (Counting both models' tokens as one
+  diluted the per-token cost by the cheap draft tokens, and the draft's
+  catch-up then came on top of the budget: steps with chunks took 1.4-1.9x a
+  pure step on the 1.5B pair instead of 1.25x.) A step with only a draft
+  catch-up is neither pure nor a sample.
   The last ``SAMPLES`` of them, as the median per distinct ``c`` (one noisy
   step must not swing it), give a line
   ``extra(c) = fixed + per_token * c`` (with one distinct ``c``, or a flat
@@ -44,7 +51,10 @@ from specpair_runtime.engine.depth import TIMING_WINDOW
 
 # A step that carries prompt chunks may take this much longer than a pure decode step.
 STEP_ALLOWANCE = 0.25
-GROWTH = 2.0
+# At most this growth per step: a larger chunk is probed before it is trusted,
+# and the probe itself must stay a small stretch (doubling a 22-token budget on a
+# noisy fit made a 1.5B-pair step take 1.6x a pure one, the run's p99 ITL).
+GROWTH = 1.25
 SAMPLES = 16  # mixed steps that the line is fitted to
 # A waiting prefill gets at least this many tokens per step, even when the
 # running decodes use up the budget, so it is never starved; the budget never
@@ -75,13 +85,22 @@ class StepBudget:
                 f"step budget needs 1 <= tokens <= ceiling, got {self.tokens}, {self.ceiling}"
             )
 
-    def record(self, decoding_rows: int, depth: int, prompt_tokens: int, seconds: float) -> None:
-        """One step's wall time: ``decoding_rows`` decoded at ``depth`` beside ``prompt_tokens``."""
+    def record(
+        self,
+        decoding_rows: int,
+        depth: int,
+        prompt_tokens: int,
+        seconds: float,
+        draft_catch_up: int = 0,
+    ) -> None:
+        """One step's wall time: ``decoding_rows`` decoded at ``depth`` beside the
+        target's ``prompt_tokens`` and ``draft_catch_up`` draft prompt tokens."""
         if self.fixed or decoding_rows == 0:
             return
         key = (decoding_rows, depth)
         if prompt_tokens == 0:
-            self.pure.setdefault(key, deque(maxlen=TIMING_WINDOW)).append(seconds)
+            if draft_catch_up == 0:
+                self.pure.setdefault(key, deque(maxlen=TIMING_WINDOW)).append(seconds)
             return
         window = self._pure_window(decoding_rows, depth)
         if window is None:

@@ -421,7 +421,8 @@ class SpeculativeEngine:
         if off is not None:
             return 0, self._off_label()
         decoding = sum(1 for r in self._running if r.decoding)
-        plan = self.controller.plan(max(decoding, 1))
+        # Only a step without prompt chunks is timed (``_record``); ``_admit`` ran already.
+        plan = self.controller.plan(max(decoding, 1), timed=decoding == len(self._running))
         return plan.cap, plan.reason
 
     def _plan_rows(self, depth: int) -> list[_Row]:
@@ -563,7 +564,7 @@ class SpeculativeEngine:
         decoding = sum(1 for r in rows if r.request.decoding)
         # Prompt work of the step: the target's chunks and the drafts' catch-up chunks.
         prompt_tokens = sum(len(r.target_tokens) for r in rows if not r.request.decoding)
-        prompt_tokens += sum(len(r.draft_tokens) for r in rows if not r.draft_samples)
+        catch_up = sum(len(r.draft_tokens) for r in rows if not r.draft_samples)
         timer = _StepTimer(self.device)
         draft_tokens, draft_probs = (
             self._draft(rows, depth)
@@ -603,7 +604,7 @@ class SpeculativeEngine:
                 sampling_rows, layout, logits, draft_tokens, draft_probs
             )
         draft_seconds, verify_seconds = timer.split()  # after the step's sync
-        self.budget.record(decoding, depth, prompt_tokens, draft_seconds + verify_seconds)
+        self.budget.record(decoding, depth, prompt_tokens, draft_seconds + verify_seconds, catch_up)
         self._advance_prefills(rows)
         self._record(rows, depth, reason, draft_seconds, verify_seconds)
         return events
