@@ -14,6 +14,14 @@ per-chunk gap is also reported divided by the mean tokens per chunk.
 so long prompts keep arriving while the other streams decode: the load that
 chunked prefill (``serving.maxStepTokens``) exists for.
 
+Every level sends each of the ``PROMPTS`` equally often (one stream sends
+all of them, more than ``--requests-per-stream`` if need be), so the levels
+compare the same outputs. That matters for the tail: a character whose
+UTF-8 bytes span two tokens (the Chinese comments the 1.5B coder writes
+after ``for i in range(10):``) is held back until it is complete, so its
+chunk gap spans two steps; with four prompts at one stream and all eight at
+eight streams, only the second level had such gaps.
+
     python bench/bench_server.py --tiny                       # tiny models built in code
     python bench/bench_server.py --real-pair --long-prompt-words 100   # after make models
     python bench/bench_server.py --config runtime.yaml --streams 1,4,8
@@ -195,12 +203,21 @@ def long_prompt(prompt: str, words: int) -> str:
     return f"{context}\n\n{prompt}"
 
 
-def prompt_for(index: int, round_: int, long_words: int) -> str:
-    """Every other request of a stream is long (when ``long_words`` > 0)."""
-    prompt = PROMPTS[(index + round_) % len(PROMPTS)]
-    if long_words and (index + round_) % 2 == 1:
-        return long_prompt(prompt, long_words)
-    return prompt
+def prompt_for(index: int, round_: int, rounds: int, long_words: int) -> str:
+    """Stream ``index`` sends ``rounds`` consecutive prompts; the odd ones are long
+    (when ``long_words`` > 0), so every other request of a stream is long."""
+    number = (index * rounds + round_) % len(PROMPTS)
+    if long_words and number % 2 == 1:
+        return long_prompt(PROMPTS[number], long_words)
+    return PROMPTS[number]
+
+
+def requests_per_stream_at(streams: int, requested: int) -> int:
+    """At least ``requested``, and enough that the streams send every prompt equally often."""
+    rounds = max(requested, 1)
+    while (streams * rounds) % len(PROMPTS):
+        rounds += 1
+    return rounds
 
 
 async def run_level(
@@ -212,11 +229,12 @@ async def run_level(
     long_words: int = 0,
 ) -> LevelResult:
     async with httpx.AsyncClient(base_url=base_url, timeout=1800) as client:
+        rounds = requests_per_stream_at(streams, requests_per_stream)
 
         async def client_loop(index: int) -> list[StreamResult]:
             out = []
-            for round_ in range(requests_per_stream):
-                prompt = prompt_for(index, round_, long_words)
+            for round_ in range(rounds):
+                prompt = prompt_for(index, round_, rounds, long_words)
                 out.append(await one_stream(client, prompt, max_tokens, index))
             return out
 
@@ -340,7 +358,13 @@ def main() -> int:
         "--real-pair", action="store_true", help="the Qwen pair of make models (int8 draft on CPU)"
     )
     parser.add_argument("--streams", type=parse_streams, default=[1, 8], metavar="N,N")
-    parser.add_argument("--requests-per-stream", type=int, default=4, metavar="N")
+    parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=4,
+        metavar="N",
+        help="at least N; more when needed for every prompt to be sent equally often",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--modes", default="speculation,target-only", metavar="M,M")
     parser.add_argument("--device", help="passed to serve --device")

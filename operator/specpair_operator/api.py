@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from specpair_runtime.config import (
     ContractModel,
     ModelSpec,
+    ServingOptions,
     SpeculationKnobs,
     describe_validation_error,
 )
@@ -36,6 +37,15 @@ from specpair_runtime.planner import (
     ModelGeometry,
     estimate,
 )
+
+
+def _runtime_default(field: str) -> str:
+    """The runtime's default of a ``ServingOptions`` field, as the CRD's text says it."""
+    value = ServingOptions.model_fields[field].default
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}"
+
 
 GROUP = "specpair.dev"
 VERSION = "v1alpha1"
@@ -455,7 +465,7 @@ class ServingSpec(ContractModel):
         default=None,
         description=(
             "On CUDA, replay decode and verify steps as captured CUDA graphs "
-            "(torch.compile); ignored on the CPU. Unset: true."
+            f"(torch.compile); ignored on the CPU. Unset: {_runtime_default('cuda_graphs')}."
         ),
     )
     max_request_body_bytes: int | None = Field(
@@ -473,7 +483,7 @@ class ServingSpec(ContractModel):
         le=MAX_SERVING_TIMEOUT_SECONDS,
         description=(
             "A request's headers must arrive within this many seconds, else 408 and the "
-            "connection closes. Unset: 10."
+            f"connection closes. Unset: {_runtime_default('header_timeout_seconds')}."
         ),
     )
     body_timeout_seconds: float | None = Field(
@@ -482,7 +492,7 @@ class ServingSpec(ContractModel):
         le=MAX_SERVING_TIMEOUT_SECONDS,
         description=(
             "A request's body must arrive within this many seconds, else 408 and the "
-            "connection closes. Unset: 30."
+            f"connection closes. Unset: {_runtime_default('body_timeout_seconds')}."
         ),
     )
     drain_timeout_seconds: float | None = Field(
@@ -492,7 +502,7 @@ class ServingSpec(ContractModel):
         description=(
             "On SIGTERM, how long in-flight requests may finish; the pod's "
             f"terminationGracePeriodSeconds is this, rounded up, plus {SHUTDOWN_SLACK_SECONDS}. "
-            "Unset: 30."
+            f"Unset: {_runtime_default('drain_timeout_seconds')}."
         ),
     )
     output_filter: OutputFilterSpec | None = Field(

@@ -322,3 +322,34 @@ def test_requests_longer_than_the_storage_are_refused(pair: TinyPair) -> None:
         engine.add_request("x", [5], SamplingParams(temperature=float("nan")))
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request("x", [5], SamplingParams(temperature=float("inf")))
+
+
+def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    # The depth rule's timings come only from steps without prompt chunks. Its
+    # target-only probe must wait for such a step: asked for in every step with
+    # a chunk, it was never timed, so it was asked for again, and speculation
+    # stopped for as long as prompts kept arriving.
+    tok = pair.tokenizer
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "target"),
+        as_loaded(pair.draft, tok, "draft"),
+        SpeculationKnobs(max_depth=3, acceptance_floor=0.0),
+        options=EngineOptions(max_slots=4, max_length=512, max_step_tokens=MIN_PREFILL_CHUNK + 4),
+    )
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=200))
+    while not outputs.get("a"):
+        _drain(engine, outputs)
+    _drain(engine, outputs)  # a's first speculation step: its t_v(1) is now wanted
+    engine.add_request("long", prompts[0] * 12, GREEDY)
+    depths: list[int] = []
+    while not outputs.get("long"):
+        _drain(engine, outputs)
+        depths.append(engine.last_step_depth)
+    assert len(depths) >= 4  # really chunked
+    assert engine.fallback_counts.get("probe", 0) == 0
+    assert all(depth > 0 for depth in depths)
+    _drain(engine, outputs)  # both decode, no chunk: the probe runs now
+    assert engine.fallback_counts.get("probe", 0) == 1

@@ -34,7 +34,8 @@ by being cut short, not by wasted verify work):
    is 0 and the engine decodes target-only, re-probing speculation after
    16 steps, then 32, 64, ... (at most 256) while it keeps losing. While
    speculating it probes one target-only step when ``t_v(1)`` is unknown
-   (after the first speculation step) and every 64 speculation steps, and
+   (after the first speculation step) and every 64 speculation steps, in a
+   step without prompt chunks (only those are timed), and
    when the cap is below the batch cap, every ``EXPLORE_EVERY`` speculation
    steps drafts at the batch cap once, so the deeper positions' acceptance
    is measured again instead of frozen at an early unlucky estimate.
