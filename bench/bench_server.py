@@ -203,21 +203,22 @@ def long_prompt(prompt: str, words: int) -> str:
     return f"{context}\n\n{prompt}"
 
 
-def prompt_for(index: int, round_: int, rounds: int, long_words: int) -> str:
-    """Stream ``index`` sends ``rounds`` consecutive prompts; the odd ones are long
-    (when ``long_words`` > 0), so every other request of a stream is long."""
-    number = (index * rounds + round_) % len(PROMPTS)
+def prompt_for(index: int, round_: int, long_words: int) -> str:
+    """The odd prompts are long (when ``long_words`` > 0): every other request of a
+    stream, and at any time about half of the streams."""
+    number = (index + round_) % len(PROMPTS)
     if long_words and number % 2 == 1:
         return long_prompt(PROMPTS[number], long_words)
     return PROMPTS[number]
 
 
 def requests_per_stream_at(streams: int, requested: int) -> int:
-    """At least ``requested``, and enough that the streams send every prompt equally often."""
-    rounds = max(requested, 1)
-    while (streams * rounds) % len(PROMPTS):
-        rounds += 1
-    return rounds
+    """At least ``requested``, and enough that the streams send every prompt equally often:
+    with ``prompt_for`` that holds for any count when ``streams`` is a multiple of the
+    number of prompts, and otherwise for whole cycles through them."""
+    if streams % len(PROMPTS) == 0:
+        return requested
+    return -(-requested // len(PROMPTS)) * len(PROMPTS)
 
 
 async def run_level(
@@ -234,7 +235,7 @@ async def run_level(
         async def client_loop(index: int) -> list[StreamResult]:
             out = []
             for round_ in range(rounds):
-                prompt = prompt_for(index, round_, rounds, long_words)
+                prompt = prompt_for(index, round_, long_words)
                 out.append(await one_stream(client, prompt, max_tokens, index))
             return out
 
