@@ -16,9 +16,11 @@ import os
 import sys
 from pathlib import Path
 
+from specpair_runtime.openmp import openmp_defaults
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Shared 2-core machines: busy-waiting OpenMP threads slow matmuls 10-75x.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads sleep when idle but spin briefly between ops (before torch loads).
+os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
@@ -51,7 +53,9 @@ def main(extra: list[str]) -> int:
         *extra,
     ]
     print(
-        f"torch threads: {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+        f"torch threads: {torch.get_num_threads()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}"
     )
     print("command: specpair-runtime " + " ".join(argv), flush=True)
     return cli_main(argv)

@@ -21,8 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specpair_runtime.openmp import openmp_defaults
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads sleep when idle but spin briefly between ops (before torch loads).
+os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specpair_runtime.openmp import openmp_defaults
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads sleep when idle but spin briefly between ops (before torch loads).
+os.environ.update(openmp_defaults(os.environ))
 
 # The repo root, so `tools.fetch_models` imports when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -31,6 +31,8 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specpair_runtime.openmp import openmp_environ
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -42,10 +44,9 @@ BENCH_TIMEOUT_SECONDS = 3600
 
 
 def offline_env() -> dict[str, str]:
-    """The environment of the child processes: no model hub, passive OpenMP threads."""
-    env = dict(os.environ)
+    """The environment of the child processes: no model hub, the runtime's OpenMP defaults."""
+    env = openmp_environ(os.environ)
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -6,12 +6,15 @@ import os
 
 import pytest
 
+from specpair_runtime.openmp import apply_openmp_defaults
+
 pytest_plugins = ["tests.support.k8s_fixtures"]
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The runtime's OpenMP thread waiting (before torch loads), here and in child processes.
+apply_openmp_defaults()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -172,6 +172,7 @@ def machine_info(pair: LoadedPair) -> dict[str, object]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
         "device": str(pair.target.device),
         "target": f"{pair.target.name} ({_dtype_name(pair.target.dtype)})",
         "draft": (

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from specpair_runtime.config import ConfigError, ModelSpec, SpeculationKnobs
+from specpair_runtime.openmp import apply_openmp_defaults
 from specpair_runtime.termination import write_termination_message
 
 if TYPE_CHECKING:
@@ -450,6 +451,8 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before any command imports torch: libgomp reads its settings once, on load.
+    apply_openmp_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.verbose)
