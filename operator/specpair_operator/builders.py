@@ -37,7 +37,6 @@ from specpair_runtime.config import (
     SpeculationKnobs,
     dump_runtime_config,
 )
-from specpair_runtime.openmp import openmp_defaults
 
 Manifest = dict[str, Any]
 
@@ -275,9 +274,8 @@ def _env(spec: SpeculativePairSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/hf"},
+        {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"},
     ]
-    # The runtime's own OpenMP defaults (it would fill them in itself), shown in the pod spec.
-    env += [{"name": name, "value": value} for name, value in openmp_defaults({}).items()]
     token = spec.hf_token_secret
     if token is not None:
         env.append(

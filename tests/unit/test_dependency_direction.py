@@ -15,7 +15,6 @@ OPERATOR = ROOT / "operator" / "specpair_operator"
 CONTRACT_MODULES = {
     "specpair_runtime.config",
     "specpair_runtime.golden",
-    "specpair_runtime.openmp",
     "specpair_runtime.planner",
 }
 

@@ -19,7 +19,6 @@ from specpair_runtime.config import (
     parse_runtime_config,
 )
 from specpair_runtime.golden import parse_golden
-from specpair_runtime.openmp import SPIN_COUNT
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIR = PairRef(name="llama", namespace="serving", uid="0b6f9a52-0000-4000-8000-000000000001")
@@ -119,8 +118,6 @@ def test_deployment_pod_template() -> None:
     assert "emptyDir" in volumes["tmp"] and "emptyDir" in volumes["model-cache"]
     env = {e["name"]: e for e in ctr["env"]}
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
-    assert env["OMP_WAIT_POLICY"]["value"] == "PASSIVE"
-    assert env["GOMP_SPINCOUNT"]["value"] == str(SPIN_COUNT)
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
 
