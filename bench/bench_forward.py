@@ -1,0 +1,206 @@
+"""What one forward of n query tokens costs, on the engine's own path, per model.
+
+Speculation pays only while a verify of k + 1 tokens costs about one decode
+step, and the draft's k forwards stay cheap beside it. This prints that cost
+curve for the pair that ``make bench`` runs: the target (prepacked oneDNN
+fp32 on the CPU) and the draft (int8-dynamic on the CPU), each through the
+engine's ``ModelRunner`` over its slot storage, with logits at every query
+position as a verify takes them. Each forward continues a context of
+``--context`` tokens; its positions are overwritten by the next one (the
+engine's rollback by length).
+
+Rounds alternate over models and sizes, so drift on a shared machine hits
+all of them alike. Per size it prints the median milliseconds over rounds
+and the cost against one token, computed within each round: the median and
+[min-max] over rounds.
+
+    .venv/bin/python bench/bench_forward.py [--tokens 1,2,4,5,8,9,16] [--rounds 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specpair_runtime.openmp import openmp_defaults
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# OpenMP threads sleep when idle but spin briefly between ops (before torch loads).
+os.environ.update(openmp_defaults(os.environ))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+
+if TYPE_CHECKING:
+    from specpair_runtime.engine.runner import ModelRunner
+
+DEFAULT_TOKENS = (1, 2, 4, 5, 8, 9, 16)
+DEFAULT_CONTEXT = 128
+REPEATS = 5  # forwards per size per round; the round keeps their median
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``--tokens``: comma-separated query sizes >= 1; 1 is always measured (the baseline)."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens: expected comma-separated integers, got {text!r}"
+        ) from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"--tokens: every size must be >= 1, got {text!r}")
+    return sorted({1, *sizes})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(runner: ModelRunner, context: int) -> None:
+    """Fill slot 0 with ``context`` tokens, the history every timed forward continues."""
+    from specpair_runtime.engine.kvcache import RowSpan
+
+    ids = torch.randint(100, 1000, (context,), generator=torch.Generator().manual_seed(0))
+    runner.forward([RowSpan(0, 0, context, 0)], ids.to(runner.device), None)
+
+
+def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -> float:
+    """Median seconds of one forward of ``tokens`` query tokens after ``context`` ones."""
+    from specpair_runtime.engine.kvcache import RowSpan
+
+    ids = torch.randint(100, 1000, (tokens,)).to(runner.device)
+    every = torch.arange(tokens, device=runner.device)  # logits at each position, like a verify
+    span = [RowSpan(0, 0, tokens, context)]
+    runner.forward(span, ids, every)  # untimed: first call of this shape
+    samples = []
+    for _ in range(repeats):
+        _sync(runner.device)
+        started = time.perf_counter()
+        runner.forward(span, ids, every)
+        _sync(runner.device)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def measure(
+    runners: Mapping[str, ModelRunner],
+    sizes: Sequence[int],
+    *,
+    context: int,
+    rounds: int,
+    repeats: int = REPEATS,
+) -> dict[str, dict[int, list[float]]]:
+    """Seconds per forward: model -> size -> one value per round (rounds alternate)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in runners}
+    with torch.inference_mode():
+        for runner in runners.values():
+            prefill(runner, context)
+        for _ in range(rounds):
+            for name, runner in runners.items():
+                for n in sizes:
+                    samples[name][n].append(time_forward(runner, n, context, repeats))
+    return samples
+
+
+@dataclass(frozen=True)
+class CostRow:
+    model: str
+    tokens: int
+    ms: float  # median over rounds
+    ratio: float  # against 1 token, median of the per-round ratios
+    ratio_min: float
+    ratio_max: float
+
+
+def summarize(samples: Mapping[str, Mapping[int, Sequence[float]]]) -> list[CostRow]:
+    """Per model and size: median ms, and the cost against 1 token within each round."""
+    rows = []
+    for model, by_size in samples.items():
+        base = by_size[1]
+        for n, seconds in sorted(by_size.items()):
+            ratios = [s / b for s, b in zip(seconds, base, strict=True)]
+            rows.append(
+                CostRow(
+                    model,
+                    n,
+                    statistics.median(seconds) * 1e3,
+                    statistics.median(ratios),
+                    min(ratios),
+                    max(ratios),
+                )
+            )
+    return rows
+
+
+def format_rows(rows: Sequence[CostRow]) -> str:
+    lines = [f"{'model':8s} {'tokens':>6s} {'ms':>8s}  vs 1 token", "-" * 44]
+    for row in rows:
+        spread = f"[{row.ratio_min:.2f}-{row.ratio_max:.2f}]"
+        lines.append(f"{row.model:8s} {row.tokens:6d} {row.ms:8.1f}  {row.ratio:.2f}x {spread}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--tokens", type=parse_tokens, default=list(DEFAULT_TOKENS))
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N")
+    parser.add_argument("--rounds", type=int, default=3, metavar="N")
+    parser.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.context < 1:
+        parser.error(f"--context must be >= 1, got {args.context}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    try:
+        dirs = converted_pair(CacheLayout(default_cache()))
+    except FetchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from specpair_runtime.config import ModelSpec, SpeculationKnobs
+    from specpair_runtime.engine.loading import resolve_device
+    from specpair_runtime.engine.options import EngineOptions
+    from specpair_runtime.engine.pair import load_pair
+
+    device = resolve_device(args.device)
+    # The draft as make bench runs it: int8 on the CPU; the target is never quantized.
+    quantization = "int8-dynamic" if device.type == "cpu" else "none"
+    pair = load_pair(
+        ModelSpec(source=str(dirs["target"])),
+        ModelSpec(source=str(dirs["draft"]), quantization=quantization),
+        SpeculationKnobs(),
+        str(device),
+    )
+    length = args.context + max(args.tokens) + 1
+    engine = pair.engine(options=EngineOptions(max_slots=1, max_length=length, cuda_graphs=False))
+    runners: dict[str, ModelRunner] = {"target": engine.target}
+    if engine.draft is not None:
+        runners["draft"] = engine.draft
+    print(
+        f"device {device}, torch threads {torch.get_num_threads()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}; "
+        f"context {args.context}, {args.rounds} rounds of {REPEATS} forwards per size",
+        flush=True,
+    )
+    rows = summarize(measure(runners, args.tokens, context=args.context, rounds=args.rounds))
+    print(format_rows(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,64 @@
+"""bench/bench_forward.py: the step-cost curve through the engine's own runners."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from bench.bench_forward import measure, parse_tokens, prefill, summarize
+from tools.tiny_models import as_loaded, build_pair
+
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.options import EngineOptions
+from specpair_runtime.engine.speculative import SpeculativeEngine
+
+CONTEXT = 16
+
+
+def test_tokens_always_include_the_one_token_baseline() -> None:
+    assert parse_tokens("8,4, 4") == [1, 4, 8]
+
+
+@pytest.mark.parametrize("text", ["0,4", "four", ""])
+def test_bad_tokens_name_the_flag(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="--tokens"):
+        parse_tokens(text)
+
+
+def test_summary_takes_ratios_within_each_round() -> None:
+    rows = summarize({"target": {1: [1.0, 2.0, 1.0], 4: [1.2, 2.0, 1.1]}})
+    one, four = rows
+    assert (one.tokens, one.ratio, one.ratio_min, one.ratio_max) == (1, 1.0, 1.0, 1.0)
+    assert four.ms == pytest.approx(1200.0)
+    assert (four.ratio, four.ratio_min, four.ratio_max) == pytest.approx((1.1, 1.0, 1.2))
+
+
+def test_measure_times_every_size_and_keeps_the_context() -> None:
+    pair = build_pair("llama", seed=0)
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, pair.tokenizer, "target"),
+        as_loaded(pair.draft, pair.tokenizer, "draft"),
+        SpeculationKnobs(),
+        options=EngineOptions(max_slots=1, max_length=32),
+    )
+    assert engine.draft is not None
+    runners = {"target": engine.target, "draft": engine.draft}
+    storage = engine.target.storage
+    assert storage is not None
+    with torch.inference_mode():
+        prefill(engine.target, CONTEXT)
+    context = storage.tensor[..., :CONTEXT, :].clone()
+    samples = measure(runners, [1, 3, 5], context=CONTEXT, rounds=2, repeats=2)
+    assert set(samples) == {"target", "draft"}
+    for by_size in samples.values():
+        assert set(by_size) == {1, 3, 5}
+        assert all(len(v) == 2 and min(v) > 0 for v in by_size.values())
+    # Timed forwards write only past the context (rolled back by length), never into it.
+    assert torch.equal(storage.tensor[..., :CONTEXT, :], context)
+    assert engine.target.storage is storage
+
+
+def test_rounds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="rounds"):
+        measure({}, [1], context=CONTEXT, rounds=0)
