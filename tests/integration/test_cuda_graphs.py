@@ -8,10 +8,14 @@ from typing import Any
 import pytest
 import torch
 from tools.tiny_models import as_loaded, build_pair
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.utils import make_boxed_func
+from torch._guards import TracingContext
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
-from specpair_runtime.engine.graphs import GraphStep, row_bucket
+from specpair_runtime.engine.graphs import DYNAMIC_SHAPES, GraphStep, graph_shapes, row_bucket
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 
@@ -22,6 +26,12 @@ FIXED = SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False)
 
 def test_row_buckets_are_powers_of_two() -> None:
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+
+
+def test_graph_shapes_count_every_bucket_and_verify_length() -> None:
+    assert graph_shapes(1) == 17  # one row: 1..17 tokens (depth 16 + 1)
+    assert graph_shapes(5) == 4 * 17  # buckets 1, 2, 4, 8
+    assert graph_shapes(8) == 4 * 17
 
 
 @pytest.mark.cuda
@@ -42,8 +52,12 @@ def test_graph_steps_give_the_eager_greedy_tokens() -> None:
         return [r.token_ids for r in generate(engine, prompts, GREEDY)]
 
     eager = run(graphs=False, with_draft=False)
+    counters.clear()
     assert run(graphs=True, with_draft=False) == eager
     assert run(graphs=True, with_draft=True) == eager
+    # Captured for real: cudagraph trees log a skip (mutated inputs, CPU ops, ...) and
+    # then run the compiled step uncaptured, which would still give the same tokens.
+    assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_the_graph_step_logic_runs_eagerly_on_the_cpu() -> None:
@@ -74,3 +88,96 @@ def test_the_graph_step_logic_runs_eagerly_on_the_cpu() -> None:
         runner.graphs = step
     assert [r.token_ids for r in generate(engine, prompts, GREEDY)] == expected
     assert used and all(n == row_bucket(n) for n in used)  # only bucketed shapes
+
+
+def test_the_captured_step_is_one_graph_that_writes_only_static_inputs() -> None:
+    """What CUDA graph capture needs, checked by tracing on the CPU.
+
+    ``fullgraph=True``: the step traces as one graph (a break would split the
+    capture). And every input that the graph writes (the KV storage) must be
+    a static input, or cudagraph trees skip capture ("mutated inputs"). The
+    backend reads both from AOT autograd's metadata, where inductor reads them.
+    """
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    options = EngineOptions(max_slots=4, max_length=128)
+
+    def engine(draft: bool) -> SpeculativeEngine:
+        return SpeculativeEngine(
+            as_loaded(pair.target, tok, "t"),
+            as_loaded(pair.draft, tok, "d") if draft else None,
+            FIXED,
+            options=options,
+            cpu_kernels="default",  # plain linears, as on CUDA
+        )
+
+    expected = [r.token_ids for r in generate(engine(draft=False), prompts, GREEDY)]
+    graphs: list[tuple[list[int], list[int]]] = []  # (mutated inputs, static inputs)
+
+    def inspect(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        meta = TracingContext.get().fw_metadata
+        assert meta is not None
+        mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        graphs.append((mutated, list(meta.static_input_indices)))
+        return make_boxed_func(gm.forward)
+
+    speculative = engine(draft=True)
+    assert speculative.draft is not None
+    for runner in (speculative.target, speculative.draft):
+        step = GraphStep(runner)
+        step._compiled = torch.compile(  # type: ignore[assignment]
+            step._forward,
+            backend=aot_autograd(fw_compiler=inspect),
+            fullgraph=True,
+            dynamic=DYNAMIC_SHAPES,
+        )
+        runner.graphs = step
+    assert [r.token_ids for r in generate(speculative, prompts, GREEDY)] == expected
+    assert graphs
+    for mutated, static in graphs:
+        assert mutated  # the KV write
+        assert set(mutated) <= set(static), f"mutated inputs {mutated} not static {static}"
+
+
+@pytest.mark.parametrize("dynamic", [DYNAMIC_SHAPES, False], ids=["as-served", "static"])
+def test_every_step_shape_stays_compiled(dynamic: bool | None) -> None:
+    """No step shape falls back to eager.
+
+    All GraphSteps share one code object, and past dynamo's default limit of
+    8 compiled entries it would run new shapes eagerly, uncaptured. Here
+    ``fullgraph=True`` turns that silent fallback into an error, over 4
+    depths and 4 batch sizes, with the engine's dynamic-shape setting and
+    with fully static shapes (one compile per shape: more than 8).
+    """
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    texts = [*TEXTS, "The refund will appear"]
+    compiled: list[int] = []
+
+    def count(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        compiled.append(1)
+        return gm.forward
+
+    outputs: dict[int, list[list[int]]] = {}
+    for depth in (1, 2, 3, 4):
+        knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
+        engine = SpeculativeEngine(
+            as_loaded(pair.target, tok, "t"),
+            as_loaded(pair.draft, tok, "d"),
+            knobs,
+            options=EngineOptions(max_slots=8, max_length=96),
+            cpu_kernels="default",
+        )
+        assert engine.draft is not None
+        for runner in (engine.target, engine.draft):
+            step = GraphStep(runner)
+            step._compiled = torch.compile(  # type: ignore[assignment]
+                step._forward, backend=count, fullgraph=True, dynamic=dynamic
+            )
+            runner.graphs = step
+        for batch in (1, 2, 3, 5):
+            prompts = [tok(t)["input_ids"] for t in texts[:batch]]
+            tokens = [r.token_ids for r in generate(engine, prompts, GREEDY)]
+            assert tokens == outputs.setdefault(batch, tokens)  # the same at every depth
+    assert len(compiled) > (8 if dynamic is False else 1)

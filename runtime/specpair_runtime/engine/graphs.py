@@ -5,8 +5,10 @@ depth for the step) has rows of equal length. Padded to a bucket of rows
 (1, 2, 4, 8, ...), such a step has static shapes: the input ids, the rows'
 slots and positions are tensors, attention is the dense form of
 ``attention.py`` (a mask derived from positions over whole slots), and KV
-writes land in the fixed storage. So one graph per (bucket, tokens per row)
-is captured and replayed. Padded rows write into the storage's scratch slot.
+writes land in the fixed storage, marked as a static address so that the
+graph may write it in place. So one graph per (bucket, tokens per row)
+is captured and replayed (``DYNAMIC_SHAPES``: a few compiles serve them all).
+Padded rows write into the storage's scratch slot.
 
 Prefill chunks (ragged lengths) run eagerly through the varlen attention.
 """
@@ -24,6 +26,11 @@ if TYPE_CHECKING:
     from specpair_runtime.engine.runner import ModelRunner
 
 MAX_GRAPH_TOKENS_PER_ROW = 17  # verify of depth 16 (the knob's maximum) + 1
+# torch.compile's automatic dynamic shapes: the first shape compiles static, the
+# next one recompiles with symbolic sizes that serve every later shape, and
+# cudagraph trees record one graph per concrete shape (cheap next to a compile).
+# ``dynamic=False`` would compile each (bucket, tokens per row) shape alone.
+DYNAMIC_SHAPES: bool | None = None
 
 
 def row_bucket(rows: int) -> int:
@@ -31,12 +38,46 @@ def row_bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def graph_shapes(slots: int) -> int:
+    """How many (row bucket, tokens per row) shapes one model's steps can take."""
+    buckets = row_bucket(slots).bit_length()  # 1, 2, 4, ... up to the bucket of ``slots``
+    return buckets * MAX_GRAPH_TOKENS_PER_ROW
+
+
+_reserved_entries = 0  # compiled shapes that this process's GraphSteps may need
+
+
+def reserve_compile_entries(count: int) -> None:
+    """Raise dynamo's recompile limits so that ``count`` more compiled shapes fit.
+
+    Dynamo keeps compiled code per code object, and every GraphStep (both
+    models, every engine of the process) shares ``_forward``'s. Past
+    ``recompile_limit`` (8 by default) a new shape would silently run
+    eagerly, without a captured graph; a step can take up to
+    ``graph_shapes(slots)`` shapes per model.
+    """
+    import torch._inductor.config as inductor
+
+    global _reserved_entries
+    _reserved_entries += count
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, _reserved_entries)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _reserved_entries)
+    # One recorded graph per shape is the plan here, not a surprise to warn about.
+    warn_at = inductor.triton.cudagraph_dynamic_shape_warn_limit
+    if warn_at is not None:
+        inductor.triton.cudagraph_dynamic_shape_warn_limit = max(warn_at, _reserved_entries)
+
+
 class GraphStep:
     """Runs uniform steps of one model through a compiled, graph-captured forward."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._compiled = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+        reserve_compile_entries(graph_shapes(runner.slots))
+        self._compiled = torch.compile(
+            self._forward, mode="reduce-overhead", dynamic=DYNAMIC_SHAPES
+        )
 
     def accepts(self, rows: list[RowSpan], sample_index: torch.Tensor | None) -> bool:
         if not rows or sample_index is None:
@@ -71,6 +112,10 @@ class GraphStep:
         self, rows: list[RowSpan], input_ids: torch.Tensor, sample_index: torch.Tensor
     ) -> torch.Tensor:
         storage = self.runner.allocate()
+        # The step writes KV into the storage in place. CUDA graph trees capture a
+        # graph only when every input it mutates keeps its address (parameters, or
+        # tensors marked so); unmarked, they would skip capture and run it uncaptured.
+        torch._dynamo.mark_static_address(storage.tensor)
         q_len = rows[0].q_len
         bucket = row_bucket(len(rows))
         padding = bucket - len(rows)
