@@ -7,9 +7,10 @@ On a machine with a CUDA GPU and the real pair in the cache (``make models``):
 2. runs the engine benchmark (``bench/bench_engine.py``: target-only,
    speculation, HF assisted) in bf16, and ``bench/bench_numerics.py`` (how far
    the target's bf16 logits move between kernel shapes: what the golden
-   check's near-tie margin must cover);
+   check's near-tie margin must cover), and ``bench/bench_forward.py`` (what a
+   forward of n tokens costs against one, through the captured graphs);
 3. writes one JSON report (``gpu-check.json`` unless ``--output``) and prints
-   its path. Exit 0 when every test passed (none skipped) and both scripts ran.
+   its path. Exit 0 when every test passed (none skipped) and all three scripts ran.
 
 Without CUDA it exits 2 with a message that says why, before doing anything
 else (``--preflight`` does only that check). Offline: nothing here needs a
@@ -204,6 +205,15 @@ def run_numerics() -> dict[str, object]:
     return {"ok": True, "command": command, "prompts": records}
 
 
+def run_forward_costs(work: Path) -> dict[str, object]:
+    """``bench/bench_forward.py`` on CUDA: what a verify of n tokens costs against one step."""
+    output = work / "forward.json"
+    completed, command = run_script("bench_forward.py", ["--json", str(output)])
+    if completed.returncode != 0 or not output.exists():
+        return failed(completed)
+    return {"ok": True, "command": command, "rows": json.loads(output.read_text())}
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="gpu_check.py", description="CUDA tests and the engine benchmark, in one JSON report."
@@ -245,14 +255,18 @@ def main(argv: list[str]) -> int:
     skipped: dict[str, object] = {"ok": True, "skipped": True}
     bench = skipped if args.skip_bench else run_bench(bench_extra)
     numerics = skipped if args.skip_bench else run_numerics()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        forward = skipped if args.skip_bench else run_forward_costs(Path(work))
+    parts = (bench, numerics, forward)
     report = {
-        "passed": tests.passed and bool(bench.get("ok")) and bool(numerics.get("ok")),
+        "passed": tests.passed and all(bool(part.get("ok")) for part in parts),
         "started_unix": started,
         "seconds": round(time.time() - started, 1),
         "device": device_info(),
         "tests": tests.to_dict(),
         "bench": bench,
         "numerics": numerics,
+        "forward_costs": forward,
     }
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     counts = tests.to_dict()["counts"]
@@ -260,7 +274,10 @@ def main(argv: list[str]) -> int:
     def status(part: dict[str, object]) -> str:
         return "skipped" if args.skip_bench else "ran" if part.get("ok") else "FAILED"
 
-    print(f"gpu-check: tests {counts}; bench {status(bench)}; numerics {status(numerics)}")
+    print(
+        f"gpu-check: tests {counts}; bench {status(bench)}; numerics {status(numerics)}; "
+        f"forward costs {status(forward)}"
+    )
     print(
         f"gpu-check: {'PASSED' if report['passed'] else 'FAILED'}; report: {args.output.resolve()}"
     )

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 import torch
-from bench.bench_forward import measure, parse_tokens, prefill, summarize
+from bench.bench_forward import main, measure, parse_tokens, prefill, summarize
 from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
@@ -21,9 +21,12 @@ def test_tokens_always_include_the_one_token_baseline() -> None:
 
 
 @pytest.mark.parametrize("text", ["0,4", "four", ""])
-def test_bad_tokens_name_the_flag(text: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match="--tokens"):
+def test_bad_tokens_name_the_flag(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
         parse_tokens(text)
+    with pytest.raises(SystemExit):
+        main(["--tokens", text])
+    assert "argument --tokens:" in capsys.readouterr().err
 
 
 def test_summary_takes_ratios_within_each_round() -> None:
