@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 MAX_GRAPH_TOKENS_PER_ROW = 17  # verify of depth 16 (the knob's maximum) + 1
 # torch.compile's automatic dynamic shapes: the first shape compiles static, the
-# next one recompiles with symbolic sizes that serve every later shape, and
-# cudagraph trees record one graph per concrete shape (cheap next to a compile).
+# next one recompiles with symbolic sizes that serve the later shapes (sizes of 1
+# stay specialized, so a few compiles in all), and cudagraph trees record one
+# graph per concrete shape (cheap next to a compile).
 # ``dynamic=False`` would compile each (bucket, tokens per row) shape alone.
 DYNAMIC_SHAPES: bool | None = None
 
