@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
 
+from specpair_runtime.engine.kvcache import RowSpan
+
 if TYPE_CHECKING:
     from specpair_runtime.engine.runner import ModelRunner
 
@@ -70,16 +72,12 @@ def _sync(device: torch.device) -> None:
 
 def prefill(runner: ModelRunner, context: int) -> None:
     """Fill slot 0 with ``context`` tokens, the history every timed forward continues."""
-    from specpair_runtime.engine.kvcache import RowSpan
-
     ids = torch.randint(100, 1000, (context,), generator=torch.Generator().manual_seed(0))
     runner.forward([RowSpan(0, 0, context, 0)], ids.to(runner.device), None)
 
 
 def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -> float:
     """Median seconds of one forward of ``tokens`` query tokens after ``context`` ones."""
-    from specpair_runtime.engine.kvcache import RowSpan
-
     ids = torch.randint(100, 1000, (tokens,)).to(runner.device)
     every = torch.arange(tokens, device=runner.device)  # logits at each position, like a verify
     span = [RowSpan(0, 0, tokens, context)]

@@ -250,12 +250,11 @@ def main(argv: list[str]) -> int:
         print(f"gpu-check: {error}", file=sys.stderr)
         return EXIT_FAILED
     started = time.time()
+    skipped: dict[str, object] = {"ok": True, "skipped": True}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         tests = run_tests(args.pytest_args.split(), Path(work))
-    skipped: dict[str, object] = {"ok": True, "skipped": True}
-    bench = skipped if args.skip_bench else run_bench(bench_extra)
-    numerics = skipped if args.skip_bench else run_numerics()
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        bench = skipped if args.skip_bench else run_bench(bench_extra)
+        numerics = skipped if args.skip_bench else run_numerics()
         forward = skipped if args.skip_bench else run_forward_costs(Path(work))
     parts = (bench, numerics, forward)
     report = {
