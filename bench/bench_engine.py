@@ -4,8 +4,9 @@ A thin wrapper over ``specpair-runtime bench`` that points it at the Qwen2.5-Cod
 0.5B (draft) -> 1.5B (target) pair in the cache. All modes run in one process on
 the same loaded models and prompts, so the printed ratios compare like with
 like; three rounds by default, ratios are medians over rounds with their
-spread. The draft is int8-dynamic on the CPU (the target stays fp32, so the
-output is unchanged); pass extra ``specpair-runtime bench`` flags through.
+spread. The draft is int4-weight on the CPU (the target stays fp32, so the
+output is unchanged); pass extra ``specpair-runtime bench`` flags through
+(``--draft-quantization int8-dynamic`` for the earlier draft).
 
     .venv/bin/python bench/bench_engine.py [--depths 2,4,6] [--runs 3] [--plot FILE.png]
 """
@@ -35,8 +36,9 @@ def main(extra: list[str]) -> int:
     import torch
 
     from specpair_runtime.cli import main as cli_main
+    from specpair_runtime.config import recommended_draft_quantization
 
-    quantization = "none" if torch.cuda.is_available() else "int8-dynamic"
+    quantization = recommended_draft_quantization("cuda" if torch.cuda.is_available() else "cpu")
     defaults = ["--depths", "2,4,6", "--max-new-tokens", "32"]
     # Medians over 3 rounds, with their spread.
     rounds = [] if any(a.startswith("--runs") for a in extra) else ["--runs", "3"]

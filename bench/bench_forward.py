@@ -3,7 +3,7 @@
 Speculation pays only while a verify of k + 1 tokens costs about one decode
 step, and the draft's k forwards stay cheap beside it. This prints that cost
 curve for the pair that ``make bench`` runs: the target (prepacked oneDNN
-fp32 on the CPU) and the draft (int8-dynamic on the CPU), each through the
+fp32 on the CPU) and the draft (int4-weight on the CPU), each through the
 engine's ``ModelRunner`` over its slot storage, with logits at every query
 position as a verify takes them. Each forward continues a context of
 ``--context`` tokens; its positions are overwritten by the next one (the
@@ -172,14 +172,14 @@ def main(argv: list[str]) -> int:
     except FetchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from specpair_runtime.config import ModelSpec, SpeculationKnobs
+    from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
     from specpair_runtime.engine.loading import resolve_device
     from specpair_runtime.engine.options import EngineOptions
     from specpair_runtime.engine.pair import load_pair
 
     device = resolve_device(args.device)
-    # The draft as make bench runs it: int8 on the CPU; the target is never quantized.
-    quantization = "int8-dynamic" if device.type == "cpu" else "none"
+    # The draft as make bench runs it; the target is never quantized.
+    quantization = recommended_draft_quantization(device.type)
     pair = load_pair(
         ModelSpec(source=str(dirs["target"])),
         ModelSpec(source=str(dirs["draft"]), quantization=quantization),

@@ -139,6 +139,8 @@ def real_pair_config(device: str | None) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     from tools.fetch_models import CacheLayout, converted_pair, default_cache
 
+    from specpair_runtime.config import recommended_draft_quantization
+
     dirs = converted_pair(CacheLayout(default_cache()))  # FetchError names what is missing
     on_cuda = device is not None and device.startswith("cuda")
     return {
@@ -147,7 +149,7 @@ def real_pair_config(device: str | None) -> dict[str, Any]:
         # A cheap draft is what makes speculation pay on a CPU (as in make bench).
         "draft": {
             "source": str(dirs["draft"]),
-            "quantization": "none" if on_cuda else "int8-dynamic",
+            "quantization": recommended_draft_quantization("cuda" if on_cuda else "cpu"),
         },
     }
 
@@ -356,7 +358,9 @@ def main() -> int:
     source.add_argument("--config", type=Path, help="runtime config file of the pair")
     source.add_argument("--tiny", action="store_true", help="build the tiny test pair")
     source.add_argument(
-        "--real-pair", action="store_true", help="the Qwen pair of make models (int8 draft on CPU)"
+        "--real-pair",
+        action="store_true",
+        help="the Qwen pair of make models (int4-weight draft on CPU)",
     )
     parser.add_argument("--streams", type=parse_streams, default=[1, 8], metavar="N,N")
     parser.add_argument(

@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=3, desc="loading", unit="step", file=sys.stderr) as bar:
         import torch
 
-        from specpair_runtime.config import ModelSpec, SpeculationKnobs
+        from specpair_runtime.config import (
+            ModelSpec,
+            SpeculationKnobs,
+            recommended_draft_quantization,
+        )
         from specpair_runtime.engine.pair import load_pair
 
         bar.update(1)
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_spec = ModelSpec(
             source=str(dirs["draft"]),
             # A cheap draft is what makes speculation pay on a CPU; the target is untouched.
-            quantization="none" if on_cuda else "int8-dynamic",
+            quantization=recommended_draft_quantization("cuda" if on_cuda else "cpu"),
         )
         knobs = (
             SpeculationKnobs()

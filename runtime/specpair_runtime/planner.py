@@ -43,6 +43,9 @@ DRAFT_OVERHEAD_BYTES = GIB // 4
 Mode = Literal["Colocated", "TargetOnly", "DoesNotFit"]
 
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Bytes per parameter of a quantized draft: int8 codes; int4 codes plus the
+# dequantized bf16 copy that calls of many rows run (engine/int4_linears.py).
+QUANTIZED_WEIGHT_BYTES: dict[str, float] = {"int8-dynamic": 1, "int4-weight": 2.5}
 
 
 def dtype_bytes(dtype: Dtype, *, cuda: bool = True) -> int:
@@ -102,10 +105,10 @@ class Plan:
 def estimate(model: ModelGeometry, tokens: int, *, cuda: bool = True) -> ModelEstimate:
     """Weights plus full-length KV cache for ``tokens`` cached tokens."""
     compute_bytes = dtype_bytes(model.dtype, cuda=cuda)
-    weight_bytes = 1 if model.quantization == "int8-dynamic" else compute_bytes
+    weight_bytes = QUANTIZED_WEIGHT_BYTES.get(model.quantization, compute_bytes)
     kv_per_token = 2 * model.layers * model.kv_heads * model.head_dim * compute_bytes
     return ModelEstimate(
-        weights_bytes=model.parameters * weight_bytes, kv_cache_bytes=kv_per_token * tokens
+        weights_bytes=int(model.parameters * weight_bytes), kv_cache_bytes=kv_per_token * tokens
     )
 
 

@@ -11,8 +11,9 @@ import torch
 from tools.tiny_models import build_pair, save_model, save_pair
 from transformers import AutoModelForCausalLM
 
-from specpair_runtime.config import ModelSpec, SpeculationKnobs
+from specpair_runtime.config import ModelSpec, Quantization, SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.int4_linears import Int4Linear, can_quantize
 from specpair_runtime.engine.loading import (
     LoadError,
     load_model,
@@ -155,24 +156,33 @@ def test_target_quantization_is_refused(pair_dirs: tuple[Path, Path]) -> None:
         load_model(spec, "target", "cpu")
 
 
-def test_int8_dynamic_draft_keeps_greedy_output(pair_dirs: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("quantization", ["int8-dynamic", "int4-weight"])
+def test_quantized_draft_keeps_greedy_output(
+    pair_dirs: tuple[Path, Path], quantization: Quantization
+) -> None:
     target_dir, draft_dir = pair_dirs
-    draft_spec = ModelSpec(source=str(draft_dir), quantization="int8-dynamic")
+    draft_spec = ModelSpec(source=str(draft_dir), quantization=quantization)
     pair = load_pair(
         ModelSpec(source=str(target_dir)),
         draft_spec,
         SpeculationKnobs(max_depth=3, adaptive=False, min_depth=3),
         "cpu",
     )
-    assert pair.draft is not None and pair.draft.quantization == "int8-dynamic"
-    quantized = [
-        m for m in pair.draft.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)
-    ]
-    assert len(quantized) == sum(
-        isinstance(m, torch.nn.Linear)
-        for m in AutoModelForCausalLM.from_pretrained(draft_dir).modules()
+    assert pair.draft is not None and pair.draft.quantization == quantization
+    quantized_type = (
+        torch.ao.nn.quantized.dynamic.Linear if quantization == "int8-dynamic" else Int4Linear
     )
-    assert not any(isinstance(m, torch.nn.Linear) for m in pair.draft.model.modules())
+    quantized = [m for m in pair.draft.model.modules() if isinstance(m, quantized_type)]
+    plain = AutoModelForCausalLM.from_pretrained(draft_dir)
+    packable = [
+        m
+        for m in plain.modules()
+        if isinstance(m, torch.nn.Linear)
+        and (quantization == "int8-dynamic" or can_quantize(m.weight))
+    ]
+    assert len(quantized) == len(packable) > 0
+    left = [m for m in pair.draft.model.modules() if type(m) is torch.nn.Linear]
+    assert len(left) == sum(isinstance(m, torch.nn.Linear) for m in plain.modules()) - len(packable)
     # The target itself is never touched.
     assert any(isinstance(m, torch.nn.Linear) for m in pair.target.model.modules())
 
@@ -183,6 +193,13 @@ def test_int8_dynamic_draft_keeps_greedy_output(pair_dirs: tuple[Path, Path]) ->
     assert speculative.stats.drafted_tokens > 0
     assert speculative.stats.accepted_tokens > 0
     assert speculative.token_ids == baseline.token_ids
+
+
+def test_quantization_needs_the_cpu_and_float32(pair_dirs: tuple[Path, Path]) -> None:
+    spec = ModelSpec(source=str(pair_dirs[1]), quantization="int4-weight", dtype="bfloat16")
+    expected = "draft.quantization int4-weight needs dtype float32, got torch.bfloat16"
+    with pytest.raises(LoadError, match=re.escape(expected)):
+        load_model(spec, "draft", "cpu")
 
 
 def test_gguf_file_loads_the_same_model(tmp_path: Path) -> None:

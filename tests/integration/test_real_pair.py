@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpair_runtime.config import ModelSpec, SpeculationKnobs
+from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.oneshot import run_request
 from specpair_runtime.engine.options import EngineOptions
@@ -52,7 +52,7 @@ def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity() -> Non
     real = require_real_pair()
     pair = load_pair(
         ModelSpec(source=str(real.target_dir)),
-        ModelSpec(source=str(real.draft_dir), quantization="int8-dynamic"),
+        ModelSpec(source=str(real.draft_dir), quantization=recommended_draft_quantization("cpu")),
         SpeculationKnobs(max_depth=4),
         "cpu",
     )

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from specpair_runtime.config import Dtype, ModelSpec, Quantization
+from specpair_runtime.engine.int4_linears import quantize_int4_weights
 
 log = logging.getLogger(__name__)
 
@@ -227,13 +228,16 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
         )
     torch_device = resolve_device(device)
     dtype = resolve_dtype(spec.dtype, torch_device)
-    if spec.quantization == "int8-dynamic":
+    if spec.quantization != "none":
         if torch_device.type != "cpu":
             raise LoadError(
-                f"{role}.quantization int8-dynamic runs on the CPU only, device is {torch_device}"
+                f"{role}.quantization {spec.quantization} runs on the CPU only, "
+                f"device is {torch_device}"
             )
         if dtype != torch.float32:
-            raise LoadError(f"{role}.quantization int8-dynamic needs dtype float32, got {dtype}")
+            raise LoadError(
+                f"{role}.quantization {spec.quantization} needs dtype float32, got {dtype}"
+            )
     resolved = resolve_source(spec)
     started = time.perf_counter()
     tokenizer = _load_tokenizer(resolved, spec.source)
@@ -243,6 +247,8 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
     model.to(torch_device)
     if spec.quantization == "int8-dynamic":
         model = quantize_int8_dynamic(model)
+    elif spec.quantization == "int4-weight":
+        quantize_int4_weights(model)
     name = resolved.gguf_file or resolved.directory.name
     log.info(
         "loaded %s %s (%s, %s%s) in %.1fs",
@@ -250,7 +256,7 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
         name,
         torch_device,
         str(dtype).removeprefix("torch."),
-        ", int8-dynamic" if spec.quantization == "int8-dynamic" else "",
+        "" if spec.quantization == "none" else f", {spec.quantization}",
         time.perf_counter() - started,
     )
     return LoadedModel(
