@@ -43,10 +43,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import yaml
+
+from specpair_runtime.config import Quantization, recommended_draft_quantization
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -134,12 +136,13 @@ def tiny_config(directory: Path) -> dict[str, Any]:
     }
 
 
-def real_pair_config(device: str | None) -> dict[str, Any]:
-    """The 1.5B/0.5B Qwen pair that ``make models`` put in the cache, as ``make bench`` runs it."""
+def real_pair_config(device: str | None, draft_quantization: str | None = None) -> dict[str, Any]:
+    """The 1.5B/0.5B Qwen pair that ``make models`` put in the cache, as ``make bench`` runs it.
+
+    ``draft_quantization`` None: what the benchmarks run on the device.
+    """
     sys.path.insert(0, str(REPO))
     from tools.fetch_models import CacheLayout, converted_pair, default_cache
-
-    from specpair_runtime.config import recommended_draft_quantization
 
     dirs = converted_pair(CacheLayout(default_cache()))  # FetchError names what is missing
     on_cuda = device is not None and device.startswith("cuda")
@@ -149,7 +152,8 @@ def real_pair_config(device: str | None) -> dict[str, Any]:
         # A cheap draft is what makes speculation pay on a CPU (as in make bench).
         "draft": {
             "source": str(dirs["draft"]),
-            "quantization": recommended_draft_quantization("cuda" if on_cuda else "cpu"),
+            "quantization": draft_quantization
+            or recommended_draft_quantization("cuda" if on_cuda else "cpu"),
         },
     }
 
@@ -362,6 +366,11 @@ def main() -> int:
         action="store_true",
         help="the Qwen pair of make models (int4-weight draft on CPU)",
     )
+    parser.add_argument(
+        "--draft-quantization",
+        choices=get_args(Quantization),
+        help="with --real-pair: the draft's quantization (default: int4-weight on the CPU)",
+    )
     parser.add_argument("--streams", type=parse_streams, default=[1, 8], metavar="N,N")
     parser.add_argument(
         "--requests-per-stream",
@@ -383,13 +392,15 @@ def main() -> int:
         help="N words of context before every other prompt (long prompts arriving)",
     )
     args = parser.parse_args()
+    if args.draft_quantization is not None and not args.real_pair:
+        parser.error("--draft-quantization goes with --real-pair (a --config names its own)")
 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         workdir = Path(tmp)
         if args.tiny:
             config = tiny_config(workdir)
         elif args.real_pair:
-            config = real_pair_config(args.device)
+            config = real_pair_config(args.device, args.draft_quantization)
         else:
             config = yaml.safe_load(args.config.read_text())
         levels: list[LevelResult] = []
