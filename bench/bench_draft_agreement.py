@@ -7,10 +7,12 @@ the chat template) the target decodes ``--max-new-tokens`` greedily; then each
 draft variant reads the prompt in one forward and the target's tokens one at
 a time, as a draft decodes (for ``int4-weight`` that is the int4 kernel),
 and the share of positions where its argmax is the target's next token is
-printed per prompt.
+printed per prompt. ``--one-forward`` reads prompt and continuation in one
+forward instead, as a draft sees many rows at once (a prompt chunk, a batch
+of streams): ``int8-dynamic`` then shares one activation scale across them.
 
     .venv/bin/python bench/bench_draft_agreement.py \
-        [--quantizations none,int8-dynamic,int4-weight] [--max-new-tokens 64]
+        [--quantizations none,int8-dynamic,int4-weight] [--max-new-tokens 64] [--one-forward]
 """
 
 from __future__ import annotations
@@ -67,14 +69,26 @@ def agreement(draft: Any, prompt: list[int], continuation: list[int]) -> float:
     return hits / len(continuation)
 
 
+def agreement_in_one_forward(draft: Any, prompt: list[int], continuation: list[int]) -> float:
+    """``agreement`` with prompt and continuation read in one forward (teacher forcing)."""
+    logits = draft(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 : -1]
+    return float((logits.argmax(-1) == torch.tensor(continuation)).float().mean())
+
+
 def agreement_table(
-    target: Any, drafts: Mapping[str, Any], prompts: Sequence[list[int]], max_new_tokens: int
+    target: Any,
+    drafts: Mapping[str, Any],
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    one_forward: bool = False,
 ) -> dict[str, list[float]]:
     """Draft name -> agreement per prompt, against the target's greedy continuations."""
+    measure = agreement_in_one_forward if one_forward else agreement
     with torch.inference_mode():
         continuations = [target_greedy(target, p, max_new_tokens) for p in prompts]
         return {
-            name: [agreement(draft, p, c) for p, c in zip(prompts, continuations, strict=True)]
+            name: [measure(draft, p, c) for p, c in zip(prompts, continuations, strict=True)]
             for name, draft in drafts.items()
         }
 
@@ -99,6 +113,9 @@ def main(argv: list[str]) -> int:
         metavar="Q,Q",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    parser.add_argument(
+        "--one-forward", action="store_true", help="read each continuation in one forward"
+    )
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -119,9 +136,14 @@ def main(argv: list[str]) -> int:
         for name in args.quantizations
     }
     table = agreement_table(
-        target.model, {n: d.model for n, d in drafts.items()}, prompts, args.max_new_tokens
+        target.model,
+        {n: d.model for n, d in drafts.items()},
+        prompts,
+        args.max_new_tokens,
+        one_forward=args.one_forward,
     )
-    print(f"top-1 agreement with the target's greedy token, {args.max_new_tokens} new tokens")
+    how = "in one forward" if args.one_forward else "one token at a time"
+    print(f"top-1 agreement with the target's greedy token, {args.max_new_tokens} new tokens, {how}")
     print(format_table(table))
     return 0
 

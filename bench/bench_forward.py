@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from specpair_runtime.openmp import openmp_defaults
 
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
 
+from specpair_runtime.config import Quantization
 from specpair_runtime.engine.kvcache import RowSpan
 
 if TYPE_CHECKING:
@@ -161,6 +162,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N")
     parser.add_argument("--rounds", type=int, default=3, metavar="N")
     parser.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
+    parser.add_argument(
+        "--draft-quantization",
+        choices=get_args(Quantization),
+        help="the draft's quantization (default: what make bench runs on the device)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if args.context < 1:
@@ -179,7 +185,7 @@ def main(argv: list[str]) -> int:
 
     device = resolve_device(args.device)
     # The draft as make bench runs it; the target is never quantized.
-    quantization = recommended_draft_quantization(device.type)
+    quantization = args.draft_quantization or recommended_draft_quantization(device.type)
     pair = load_pair(
         ModelSpec(source=str(dirs["target"])),
         ModelSpec(source=str(dirs["draft"]), quantization=quantization),
@@ -193,7 +199,8 @@ def main(argv: list[str]) -> int:
     if engine.draft is not None:
         runners["draft"] = engine.draft
     print(
-        f"device {device} ({engine.target.dtype}), torch threads {torch.get_num_threads()}, "
+        f"device {device} ({engine.target.dtype}), draft quantization {quantization}, "
+        f"torch threads {torch.get_num_threads()}, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}; "
         f"context {args.context}, {args.rounds} rounds of {REPEATS} forwards per size",

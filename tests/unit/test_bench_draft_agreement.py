@@ -8,6 +8,7 @@ import pytest
 import torch
 from bench.bench_draft_agreement import (
     agreement,
+    agreement_in_one_forward,
     agreement_table,
     format_table,
     main,
@@ -40,11 +41,14 @@ def test_agreement_counts_the_draft_argmax_of_every_position() -> None:
     with torch.inference_mode():
         for prompt, measured in zip(prompts, table["noisy"], strict=True):
             continuation = target_greedy(pair.target, prompt, 12)
-            # One teacher-forced forward over everything gives the same argmaxes.
+            # One teacher-forced forward over everything gives the same argmaxes
+            # (an fp32 model: one token at a time or all at once round alike here).
             ids = torch.tensor([prompt + continuation])
             logits = pair.draft(ids).logits[0, len(prompt) - 1 : -1]
             expected = (logits.argmax(-1) == torch.tensor(continuation)).float().mean()
             assert measured == pytest.approx(float(expected))
             assert agreement(pair.draft, prompt, continuation) == measured
+            one = agreement_in_one_forward(pair.draft, prompt, continuation)
+            assert one == pytest.approx(measured)
     assert min(table["noisy"]) < 1.0  # the noisy draft does miss somewhere
     assert "noisy" in format_table(table)
