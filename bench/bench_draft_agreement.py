@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
         one_forward=args.one_forward,
     )
     how = "in one forward" if args.one_forward else "one token at a time"
-    print(f"top-1 agreement with the target's greedy token, {args.max_new_tokens} new tokens, {how}")
+    print(f"top-1 agreement with the target's greedy token, {args.max_new_tokens} tokens, {how}")
     print(format_table(table))
     return 0
 

@@ -158,7 +158,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, draft_required: bool) 
     group.add_argument(
         "--draft-quantization", choices=get_args(Quantization), default="none",
         help="a cheaper draft on the cpu: int4-weight (int4 weights, bf16 activations) or "
-        "int8-dynamic (int8 activations too: cheaper, far lower acceptance); "
+        "int8-dynamic (int8 activations too: lower acceptance); "
         "the target is never quantized, so the output does not change",
     )  # fmt: skip
 

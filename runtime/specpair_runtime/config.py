@@ -74,8 +74,8 @@ class ModelSpec(ContractModel):
         description=(
             "Weight quantization, CPU only. int4-weight keeps the activations in bf16 "
             "(int4 weights in groups of 32; the draft keeps its acceptance); int8-dynamic "
-            "quantizes activations too (cheaper, far lower acceptance). Only allowed "
-            "for the draft, so the target's output never changes."
+            "quantizes activations too (lower acceptance, the more rows share a call). "
+            "Only allowed for the draft, so the target's output never changes."
         ),
     )
 

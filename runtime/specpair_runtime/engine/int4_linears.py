@@ -3,21 +3,22 @@
 The draft only proposes tokens, so its weights may be approximate; what
 matters is how often the target accepts them and what a forward costs.
 Measured on the Qwen2.5-Coder 0.5B draft against its 1.5B target (2 vCPUs,
-AVX-512 with BF16), top-1 agreement with the target's greedy token on the
-three ``make bench`` prompts, teacher-forced over 64 tokens:
+AVX-512 with BF16; ``bench/bench_draft_agreement.py``), top-1 agreement with
+the target's greedy token on the three ``make bench`` prompts, 64 tokens
+read one at a time as a draft decodes (in one forward with ``--one-forward``):
 
 - fp32 draft:                               0.73 / 0.83 / 0.95
-- int8-dynamic (int8 activations too):      0.45 / 0.52 / 0.83
-- int4 weights, groups of 32, bf16 inputs:  0.69 / 0.77 / 0.94
+- int4 weights, groups of 32, bf16 inputs:  0.70 / 0.77 / 0.94 (the same)
+- int8-dynamic (int8 activations too):      0.67 / 0.73 / 0.91 (0.58 / 0.52 / 0.88)
 
-Dynamic int8 quantizes each activation row with one scale, and Qwen's
-activations have outlier channels, so most of the loss comes from there.
-Weight-only int4 keeps the activations in bf16 (the GGUF files of the demo
-pair are 4-bit already). ``torch.ops.aten._weight_int4pack_mm_for_cpu``
-reads half the bytes of int8 and is as fast or faster for one or two rows
-(4864 x 896: about 140 us against 145-220 us), but it costs about one
-matrix-vector product per row: 5 rows took 530 us where the oneDNN bf16
-GEMM took 335 us, and 128 rows 6.9 ms against 0.8 ms. So a call with more
+Dynamic int8 quantizes the activations of a call with one scale, and Qwen's
+activations have outlier channels, so the more rows share a call, the more
+it loses. Weight-only int4 keeps the activations in bf16 (the GGUF files of
+the demo pair are 4-bit already). In one microbenchmark (4864 x 896),
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` took about 140-190 us for one
+row, against 145-220 us for int8, but it costs about one matrix-vector
+product per row: 5 rows took 530 us where the oneDNN bf16 GEMM took 335 us,
+and 128 rows 6.9 ms against 0.8 ms. So a call with more
 than ``INT4_MAX_ROWS`` rows (a prefill chunk, a batch of streams) runs the
 same int4 weights dequantized once into a prepacked oneDNN bf16 weight, on
 CPUs where oneDNN runs bf16 natively (AVX-512 BF16, AMX). Elsewhere every
