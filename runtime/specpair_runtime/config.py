@@ -24,7 +24,7 @@ Quantization = Literal["none", "int8-dynamic", "int4-weight"]
 def recommended_draft_quantization(device_type: str) -> Quantization:
     """What the demo and the benchmarks run the draft with on a device of this type.
 
-    int4-weight on the CPU: cheaper than fp32 and accepted about as often
+    int4-weight on the CPU: cheaper than fp32 and accepted nearly as often
     (engine/int4_linears.py has the numbers); nothing on CUDA, where the
     draft's bf16 forward is cheap already.
     """
@@ -73,7 +73,7 @@ class ModelSpec(ContractModel):
         default="none",
         description=(
             "Weight quantization, CPU only. int4-weight keeps the activations in bf16 "
-            "(int4 weights in groups of 32; the draft keeps its acceptance); int8-dynamic "
+            "(int4 weights in groups of 32; the draft keeps most of its acceptance); int8-dynamic "
             "quantizes activations too (lower acceptance, the more rows share a call). "
             "Only allowed for the draft, so the target's output never changes."
         ),

@@ -28,6 +28,7 @@ from specpair_runtime.planner import (
     GIB,
     RUNTIME_OVERHEAD_BYTES,
     ModelGeometry,
+    estimate,
     plan,
 )
 
@@ -159,6 +160,16 @@ def test_int8_draft_on_cpu() -> None:
     assert result.draft.kv_cache_bytes == 65_536 * 1024
     # The target's explicit bfloat16 stays 2 bytes even on the CPU.
     assert result.target.weights_bytes == 16_060_522_496
+
+
+def test_int4_draft_counts_its_codes_and_the_bf16_copy() -> None:
+    # int4-weight holds half a byte of codes and a 2-byte bf16 copy per weight.
+    draft = ModelGeometry(
+        parameters=1_000_000, layers=16, kv_heads=8, head_dim=64, quantization="int4-weight"
+    )
+    estimate_int4 = estimate(draft, 1024, cuda=False)
+    assert estimate_int4.weights_bytes == 2_500_000
+    assert estimate_int4.kv_cache_bytes == 65_536 * 1024  # the KV cache stays float32
 
 
 @pytest.mark.parametrize(
