@@ -136,7 +136,9 @@ def tiny_config(directory: Path) -> dict[str, Any]:
     }
 
 
-def real_pair_config(device: str | None, draft_quantization: str | None = None) -> dict[str, Any]:
+def real_pair_config(
+    device: str | None, draft_quantization: Quantization | None = None
+) -> dict[str, Any]:
     """The 1.5B/0.5B Qwen pair that ``make models`` put in the cache, as ``make bench`` runs it.
 
     ``draft_quantization`` None: what the benchmarks run on the device.

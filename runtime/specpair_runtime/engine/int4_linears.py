@@ -89,8 +89,8 @@ class Int4Linear(torch.nn.Module):
         codes, scale, zero = quantize_groups(linear.weight, group_size)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_TILES)
         # [K / group, N, 2]: what the kernel reads, in the activations' dtype.
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1)
+        self.scales_and_zeros = pairs.to(torch.bfloat16).contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         # The same int4 weights for calls of many rows, dequantized and prepacked once.
         self.gemm_weight: torch.Tensor | None = None
