@@ -1,4 +1,11 @@
-"""Greedy identity on the real Qwen2.5-Coder 0.5B -> 1.5B pair (``make models``)."""
+"""Greedy identity on the real Qwen2.5-Coder 0.5B -> 1.5B pair (``make models``).
+
+The pair is loaded once for the module, with the draft that the CPU runs by
+default (``recommended_draft_quantization``), and every engine is sized to
+the few short requests here: the default sizing allocates (and zeroes) KV
+for 8 requests of 2048 tokens per engine, which costs seconds per engine on
+this machine and tests nothing that the tiny pairs do not.
+"""
 
 from __future__ import annotations
 
@@ -6,82 +13,87 @@ import pytest
 
 from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
 from specpair_runtime.engine.api import SamplingParams
-from specpair_runtime.engine.oneshot import run_request
+from specpair_runtime.engine.oneshot import Completion, run_request
 from specpair_runtime.engine.options import EngineOptions
-from specpair_runtime.engine.pair import load_pair
+from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.engine.prompting import encode_prompt
 from tests.support.real_models import require_real_pair
 
-PROMPTS = (
-    "My order has not arrived yet. What should I do?",
-    "Write a Python function that returns the sum of a list.",
+SUPPORT = "My order has not arrived yet. What should I do?"
+CODING = "Write a Python function that returns the sum of a list."
+BATCH = (
+    "Hi!",
+    CODING,
+    "Write fib(n) in Python, iteratively, with a docstring, type hints and two doctests.",
 )
 NEW_TOKENS = 16
+OPTIONS = EngineOptions(max_slots=4, max_length=256, max_step_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def pair() -> LoadedPair:
+    real = require_real_pair()
+    return load_pair(
+        ModelSpec(source=str(real.target_dir)),
+        ModelSpec(source=str(real.draft_dir), quantization=recommended_draft_quantization("cpu")),
+        SpeculationKnobs(),
+        "cpu",
+        OPTIONS,
+    )
+
+
+@pytest.fixture(scope="module")
+def target_only(pair: LoadedPair) -> dict[str, Completion]:
+    """Each prompt's greedy target-only completion, decoded alone."""
+    engine = pair.engine(speculate=False)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    return {text: run_request(engine, _encode(pair, text), params) for text in (SUPPORT, *BATCH)}
+
+
+def _encode(pair: LoadedPair, text: str) -> list[int]:
+    return encode_prompt(pair.target.tokenizer, text, chat=True)
 
 
 @pytest.mark.slow
-def test_real_pair_greedy_identity() -> None:
-    real = require_real_pair()
-    pair = load_pair(
-        ModelSpec(source=str(real.target_dir)),
-        ModelSpec(source=str(real.draft_dir)),
-        SpeculationKnobs(max_depth=4),
-        "cpu",
-    )
+def test_real_pair_greedy_identity_with_default_knobs(
+    pair: LoadedPair, target_only: dict[str, Completion]
+) -> None:
+    """The default knobs (adaptive depth) on a support and a coding prompt, one at a time."""
     assert pair.alignment is not None and pair.alignment.aligned, pair.alignment
     speculative = pair.engine()
-    target_only = pair.engine(speculate=False)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     accepted = 0
-    for text in PROMPTS:
-        prompt = encode_prompt(pair.target.tokenizer, text, chat=True)
-        fast = run_request(speculative, prompt, params)
-        slow = run_request(target_only, prompt, params)
-        assert fast.token_ids == slow.token_ids, text
-        assert fast.text == slow.text
+    for text in (SUPPORT, CODING):
+        fast = run_request(speculative, _encode(pair, text), params)
+        assert fast.token_ids == target_only[text].token_ids, text
+        assert fast.text == target_only[text].text
         assert len(fast.token_ids) == NEW_TOKENS  # an instruct answer is longer than 16 tokens
         assert fast.stats.drafted_tokens > 0
         accepted += fast.stats.accepted_tokens
-    # The pair agrees on most greedy tokens (measured ~78%), so some drafts must land.
+    # The pair agrees on most greedy tokens (measured 0.70-0.94), so some drafts must land.
     assert accepted > 0
 
 
 @pytest.mark.slow
-def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity() -> None:
-    """Unequal prompts, one joining mid-decode, prompts split into chunks, depths 1/4/8."""
-    real = require_real_pair()
-    pair = load_pair(
-        ModelSpec(source=str(real.target_dir)),
-        ModelSpec(source=str(real.draft_dir), quantization=recommended_draft_quantization("cpu")),
-        SpeculationKnobs(max_depth=4),
-        "cpu",
-    )
-    tokenizer = pair.target.tokenizer
-    texts = (
-        "Hi!",
-        "Write a Python function that returns the sum of a list.",
-        "Write fib(n) in Python, iteratively, with a docstring, type hints and two doctests.",
-    )
-    prompts = [encode_prompt(tokenizer, text, chat=True) for text in texts]
+@pytest.mark.parametrize("depth", [1, 4, 8])
+def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity(
+    pair: LoadedPair, target_only: dict[str, Completion], depth: int
+) -> None:
+    """Unequal prompts, one joining mid-decode, prompts split into 16-token chunks."""
+    prompts = [_encode(pair, text) for text in BATCH]
     assert len({len(p) for p in prompts}) == len(prompts)  # unequal lengths
-    options = EngineOptions(max_slots=4, max_length=256, max_step_tokens=16)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    solo = [
-        run_request(pair.engine(speculate=False, options=options), p, params).token_ids
-        for p in prompts
-    ]
-    for depth in (1, 4, 8):
-        knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
-        engine = pair.engine(knobs=knobs, options=options)
-        outputs: dict[str, list[int]] = {}
-        engine.add_request("0", prompts[0], params)
-        engine.add_request("1", prompts[1], params)
-        steps = 0
-        while engine.has_unfinished() or "2" not in outputs:
-            if steps == 3:  # joins while the others decode (or still prefill)
-                engine.add_request("2", prompts[2], params)
-                outputs["2"] = []
-            for event in engine.step():
-                outputs.setdefault(event.request_id, []).extend(event.token_ids)
-            steps += 1
-        assert [outputs[str(i)] for i in range(3)] == solo, depth
+    knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
+    engine = pair.engine(knobs=knobs)
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("0", prompts[0], params)
+    engine.add_request("1", prompts[1], params)
+    steps = 0
+    while engine.has_unfinished() or "2" not in outputs:
+        if steps == 3:  # joins while the others decode (or still prefill)
+            engine.add_request("2", prompts[2], params)
+            outputs["2"] = []
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).extend(event.token_ids)
+        steps += 1
+    assert [outputs[str(i)] for i in range(3)] == [target_only[t].token_ids for t in BATCH]
