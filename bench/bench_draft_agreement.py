@@ -32,7 +32,7 @@ os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import cached_pair_or_report
 
 from specpair_runtime.config import Quantization
 
@@ -119,10 +119,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    try:
-        dirs = converted_pair(CacheLayout(default_cache()))
-    except FetchError as error:
-        print(f"error: {error}", file=sys.stderr)
+    dirs = cached_pair_or_report()
+    if dirs is None:
         return 2
     from specpair_runtime.benchmark import DEFAULT_PROMPTS
     from specpair_runtime.config import ModelSpec

@@ -24,14 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import cached_pair_or_report
 
 
 def main(extra: list[str]) -> int:
-    try:
-        dirs = converted_pair(CacheLayout(default_cache()))
-    except FetchError as error:
-        print(f"error: {error}")
+    dirs = cached_pair_or_report()
+    if dirs is None:
         return 2
     import torch
 

@@ -40,7 +40,7 @@ os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import cached_pair_or_report
 
 from specpair_runtime.config import Quantization
 from specpair_runtime.engine.kvcache import RowSpan
@@ -173,10 +173,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--context must be >= 1, got {args.context}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    try:
-        dirs = converted_pair(CacheLayout(default_cache()))
-    except FetchError as error:
-        print(f"error: {error}", file=sys.stderr)
+    dirs = cached_pair_or_report()
+    if dirs is None:
         return 2
     from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
     from specpair_runtime.engine.loading import resolve_device

@@ -29,7 +29,7 @@ os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import cached_pair_or_report
 
 PROMPTS = (
     "Write a Python function that returns the sum of a list.",
@@ -100,10 +100,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    try:
-        dirs = converted_pair(CacheLayout(default_cache()))
-    except FetchError as error:
-        print(f"error: {error}", file=sys.stderr)
+    dirs = cached_pair_or_report()
+    if dirs is None:
         return 2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

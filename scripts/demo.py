@@ -29,7 +29,7 @@ os.environ.update(openmp_defaults(os.environ))
 # The repo root, so `tools.fetch_models` imports when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+from tools.fetch_models import cached_pair_or_report
 from tqdm import tqdm
 
 PROMPT = (
@@ -134,10 +134,8 @@ def chat_ids(tokenizer: Any, system: str, prompt: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        dirs = converted_pair(CacheLayout(default_cache()))
-    except FetchError as error:
-        print(f"error: {error}")
+    dirs = cached_pair_or_report()
+    if dirs is None:
         return 2
 
     # Heavy imports after the argument check, behind a progress bar.

@@ -242,12 +242,9 @@ def main(argv: list[str]) -> int:
         return EXIT_NO_CUDA
     if args.preflight:
         return EXIT_OK
-    from tools.fetch_models import CacheLayout, FetchError, converted_pair, default_cache
+    from tools.fetch_models import cached_pair_or_report
 
-    try:
-        converted_pair(CacheLayout(default_cache()))
-    except FetchError as error:
-        print(f"gpu-check: {error}", file=sys.stderr)
+    if cached_pair_or_report("gpu-check") is None:
         return EXIT_FAILED
     started = time.time()
     skipped: dict[str, object] = {"ok": True, "skipped": True}

@@ -350,6 +350,19 @@ def converted_pair(layout: CacheLayout) -> dict[Role, Path]:
     return dirs
 
 
+def cached_pair_or_report(prefix: str = "error") -> dict[Role, Path] | None:
+    """``converted_pair`` of the default cache, or None after printing why to stderr.
+
+    For the scripts that need the fetched pair (``make run``, the benchmarks,
+    ``make gpu-check``): they exit 2 with this one line instead of a traceback.
+    """
+    try:
+        return converted_pair(CacheLayout(default_cache()))
+    except FetchError as error:
+        print(f"{prefix}: {error}", file=sys.stderr)
+        return None
+
+
 def file_sizes(directory: Path) -> dict[str, int]:
     return {
         p.name: p.stat().st_size

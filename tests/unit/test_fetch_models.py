@@ -283,3 +283,14 @@ def test_converted_pair_names_the_first_missing_model(tmp_path: Path) -> None:
     layout = fm.CacheLayout(tmp_path)
     with pytest.raises(fm.FetchError, match=r"the draft model is not ready .*run `make models`"):
         fm.converted_pair(layout)
+
+
+def test_cached_pair_or_report_prints_one_line_and_returns_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(fm.CACHE_ENV, str(tmp_path))
+    assert fm.cached_pair_or_report("gpu-check") is None
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("gpu-check: the draft model is not ready")
+    assert captured.err.rstrip().endswith("run `make models`")
