@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -56,17 +57,33 @@ def target_greedy(target: Any, prompt: list[int], max_new_tokens: int) -> list[i
     return [int(token) for token in out[0, len(prompt) :]]
 
 
-def agreement(draft: Any, prompt: list[int], continuation: list[int]) -> float:
-    """Share of ``continuation``'s tokens that are ``draft``'s argmax given all before them."""
+@dataclass(frozen=True)
+class DraftPosition:
+    """The draft at one position of the target's continuation, given every token before it."""
+
+    agrees: bool  # its argmax is the target's greedy token
+    confidence: float  # the probability it gives its argmax
+
+
+def draft_trace(draft: Any, prompt: list[int], continuation: list[int]) -> list[DraftPosition]:
+    """``draft`` reads ``prompt``, then ``continuation`` one token at a time, as it decodes."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     out = draft(torch.tensor([prompt]), cache=cache, use_cache=True)
-    hits = 0
+    positions = []
     for token in continuation:
-        hits += int(out.logits[0, -1].argmax()) == token
+        probs = out.logits[0, -1].float().softmax(-1)
+        confidence, best = probs.max(-1)
+        positions.append(DraftPosition(int(best) == token, float(confidence)))
         out = draft(torch.tensor([[token]]), cache=cache, use_cache=True)
-    return hits / len(continuation)
+    return positions
+
+
+def agreement(draft: Any, prompt: list[int], continuation: list[int]) -> float:
+    """Share of ``continuation``'s tokens that are ``draft``'s argmax given all before them."""
+    trace = draft_trace(draft, prompt, continuation)
+    return sum(p.agrees for p in trace) / len(trace)
 
 
 def agreement_in_one_forward(draft: Any, prompt: list[int], continuation: list[int]) -> float:

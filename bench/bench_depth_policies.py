@@ -1,0 +1,249 @@
+"""How much a better depth rule could gain: the draft's trace replayed under depth policies.
+
+Greedy speculative decoding is deterministic given one trace: at each
+position of the target's greedy continuation, whether the draft's argmax is
+the target's token when the draft has read every token before it (which is
+what it has read while every earlier draft of the pass was accepted), and the
+probability the draft gives its argmax. A pass that starts at position i and
+drafts d tokens accepts the run of agreements from i (at most d) and commits
+one token more (the recovered or bonus token). Its cost is d draft forwards
+and one target forward of d + 1 query tokens. So a depth policy's tokens per
+target pass follow from the trace alone, and its speed from two measured
+costs.
+
+This collects the trace on ``make bench``'s three prompts (the draft as
+``make bench`` runs it), measures the costs in the same process through the
+engine's own runners (``bench_forward.measure``), and replays:
+
+- ``k=d``: a fixed depth, as ``make bench``'s ``specpair k=d`` modes;
+- ``confidence t <=c``: HF assisted generation's rule (transformers'
+  ``assistant_confidence_threshold``, 0.4 by default): draft until a token
+  whose draft probability is below ``t``, at most ``c`` tokens;
+- ``oracle <=c``: draft exactly up to the first miss, at most ``c`` tokens: a
+  rule that knows the future never wastes a draft and never stops before the
+  target would; with drafts this cheap beside a verify, nothing with that cap
+  does much better.
+
+The replay leaves out what both sides of a ratio share (prompt prefill, the
+engine's own time between forwards, under 2 % of a step on the CPU), and a
+pass whose first draft forward reads two tokens is costed as one.
+
+    .venv/bin/python bench/bench_depth_policies.py [--max-new-tokens 128] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specpair_runtime.openmp import openmp_defaults
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.update(openmp_defaults(os.environ))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from bench.bench_draft_agreement import DraftPosition, draft_trace, target_greedy
+from bench.bench_forward import measure
+from tools.fetch_models import cached_pair_or_report
+
+if TYPE_CHECKING:
+    from specpair_runtime.engine.runner import ModelRunner
+
+# A policy: (trace, start of the pass) -> how many tokens to draft (>= 1).
+Policy = Callable[[Sequence[DraftPosition], int], int]
+HF_CONFIDENCE = 0.4  # transformers' default assistant_confidence_threshold
+DEFAULT_CAPS = (4, 8)
+DEFAULT_FIXED = (1, 2, 3, 4, 5, 6, 8)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of one draft forward of one token, and of target forwards of n query tokens."""
+
+    draft: float
+    verify: Mapping[int, float]
+
+    def pass_seconds(self, drafts: int) -> float:
+        return drafts * self.draft + self.verify[drafts + 1]
+
+
+@dataclass(frozen=True)
+class Replay:
+    tokens: int
+    passes: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes
+
+
+def fixed(depth: int) -> Policy:
+    return lambda trace, start: depth
+
+
+def confidence_stop(threshold: float, cap: int) -> Policy:
+    """Draft until a token the draft gives less than ``threshold`` (kept), at most ``cap``."""
+
+    def policy(trace: Sequence[DraftPosition], start: int) -> int:
+        drafts = 0
+        while drafts < cap:
+            drafts += 1
+            at = start + drafts - 1
+            if at >= len(trace) or trace[at].confidence < threshold:
+                break
+        return drafts
+
+    return policy
+
+
+def oracle(cap: int) -> Policy:
+    """Draft every token the target accepts and the first one it rejects, at most ``cap``."""
+
+    def policy(trace: Sequence[DraftPosition], start: int) -> int:
+        run = accepted_run(trace, start, cap)
+        return min(run + 1, cap)
+
+    return policy
+
+
+def accepted_run(trace: Sequence[DraftPosition], start: int, drafts: int) -> int:
+    """How many of ``drafts`` tokens from ``start`` the target accepts (its leading agreements)."""
+    run = 0
+    while run < drafts and start + run < len(trace) and trace[start + run].agrees:
+        run += 1
+    return run
+
+
+def replay(trace: Sequence[DraftPosition], policy: Policy | None, costs: Costs) -> Replay:
+    """Decode the whole trace; ``policy=None`` is target-only (one token per target forward)."""
+    position = passes = 0
+    seconds = 0.0
+    while position < len(trace):
+        drafts = 0 if policy is None else policy(trace, position)
+        if policy is not None and drafts < 1:
+            raise ValueError(f"a policy must draft at least 1 token, got {drafts}")
+        position += accepted_run(trace, position, drafts) + 1
+        seconds += costs.pass_seconds(drafts)
+        passes += 1
+    return Replay(len(trace), passes, seconds)
+
+
+def policies(fixed_depths: Sequence[int], caps: Sequence[int]) -> dict[str, Policy]:
+    chosen: dict[str, Policy] = {f"k={d}": fixed(d) for d in fixed_depths}
+    for cap in caps:
+        chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
+    for cap in caps:
+        chosen[f"oracle <={cap}"] = oracle(cap)
+    return chosen
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    name: str
+    tokens_per_pass: float
+    tokens_per_second: float  # over all prompts
+    vs_target_only: float
+
+
+def replay_table(
+    traces: Sequence[Sequence[DraftPosition]], chosen: Mapping[str, Policy], costs: Costs
+) -> list[PolicyRow]:
+    """Every policy over every trace (summed), against target-only on the same costs."""
+
+    def total(policy: Policy | None) -> Replay:
+        runs = [replay(trace, policy, costs) for trace in traces]
+        return Replay(
+            sum(r.tokens for r in runs), sum(r.passes for r in runs), sum(r.seconds for r in runs)
+        )
+
+    baseline = total(None).tokens_per_second
+    rows = [PolicyRow("target-only", 1.0, baseline, 1.0)]
+    for name, policy in chosen.items():
+        run = total(policy)
+        speed = run.tokens_per_second
+        rows.append(PolicyRow(name, run.tokens_per_pass, speed, speed / baseline))
+    return rows
+
+
+def format_table(rows: Sequence[PolicyRow]) -> str:
+    lines = [f"{'policy':22s} {'tokens/pass':>11s} {'tok/s':>7s}  vs target-only", "-" * 58]
+    for row in rows:
+        lines.append(
+            f"{row.name:22s} {row.tokens_per_pass:11.2f} {row.tokens_per_second:7.2f}  "
+            f"{row.vs_target_only:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def measured_costs(target: ModelRunner, draft: ModelRunner, max_drafts: int, rounds: int) -> Costs:
+    """Medians over ``rounds`` of one draft token and of target forwards of 1..max_drafts+1."""
+    sizes = list(range(1, max_drafts + 2))
+    samples = measure({"target": target, "draft": draft}, sizes, context=128, rounds=rounds)
+    return Costs(
+        draft=statistics.median(samples["draft"][1]),
+        verify={n: statistics.median(samples["target"][n]) for n in sizes},
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--rounds", type=int, default=3, metavar="N")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    dirs = cached_pair_or_report()
+    if dirs is None:
+        return 2
+    from specpair_runtime.benchmark import DEFAULT_PROMPTS
+    from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
+    from specpair_runtime.engine.options import EngineOptions
+    from specpair_runtime.engine.pair import load_pair
+    from specpair_runtime.engine.prompting import encode_prompt
+
+    quantization = recommended_draft_quantization("cpu")
+    pair = load_pair(
+        ModelSpec(source=str(dirs["target"])),
+        ModelSpec(source=str(dirs["draft"]), quantization=quantization),
+        SpeculationKnobs(),
+        "cpu",
+    )
+    assert pair.draft is not None
+    max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS)
+    # The engine switches the target to its kernels, so its greedy tokens are the engine's.
+    engine = pair.engine(options=EngineOptions(max_slots=1, max_length=256))
+    assert engine.draft is not None
+    prompts = [encode_prompt(pair.target.tokenizer, text, chat=True) for text in DEFAULT_PROMPTS]
+    with torch.inference_mode():
+        continuations = [target_greedy(pair.target.model, p, args.max_new_tokens) for p in prompts]
+        traces = [
+            draft_trace(pair.draft.model, p, c) for p, c in zip(prompts, continuations, strict=True)
+        ]
+    costs = measured_costs(engine.target, engine.draft, max_drafts, args.rounds)
+    agreement = [sum(p.agrees for p in t) / len(t) for t in traces]
+    print(
+        f"draft {quantization}; {len(traces)} prompts, {[len(t) for t in traces]} tokens; "
+        f"agreement {' / '.join(f'{a:.3f}' for a in agreement)}; "
+        f"draft forward {costs.draft * 1e3:.1f} ms; target forward of n tokens (ms): "
+        + ", ".join(f"{n}: {s * 1e3:.0f}" for n, s in costs.verify.items())
+    )
+    print(format_table(replay_table(traces, policies(DEFAULT_FIXED, DEFAULT_CAPS), costs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
