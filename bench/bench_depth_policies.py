@@ -21,12 +21,17 @@ engine's own runners (``bench_forward.measure``), and replays:
   whose draft probability is below ``t``, at most ``c`` tokens;
 - ``oracle <=c``: draft exactly up to the first miss, at most ``c`` tokens: a
   rule that knows the future never wastes a draft and never stops before the
-  target would; with drafts this cheap beside a verify, nothing with that cap
-  does much better.
+  target would, so it is the estimate of what any rule with that cap could
+  reach.
 
-The replay leaves out what both sides of a ratio share (prompt prefill, the
-engine's own time between forwards, under 2 % of a step on the CPU), and a
-pass whose first draft forward reads two tokens is costed as one.
+Within a pass, a rule reads the draft's confidence at the target's tokens;
+after a miss the draft's own tokens differ, but those drafts are rejected
+whatever it drafts next, so only where the rule stops changes the cost.
+
+The replay leaves out what every rule shares (prompt prefill, the engine's
+own time between forwards), and a pass whose first draft forward reads two
+tokens is costed as one, so its ratios to target-only run higher than
+``make bench``'s; compare the rules with each other.
 
     .venv/bin/python bench/bench_depth_policies.py [--max-new-tokens 128] [--rounds 3]
 """

@@ -354,7 +354,7 @@ def cached_pair_or_report(prefix: str = "error") -> dict[Role, Path] | None:
     """``converted_pair`` of the default cache, or None after printing why to stderr.
 
     For the scripts that need the fetched pair (``make run``, the benchmarks,
-    ``make gpu-check``): they exit 2 with this one line instead of a traceback.
+    ``make gpu-check``): they exit non-zero with this one line, not a traceback.
     """
     try:
         return converted_pair(CacheLayout(default_cache()))
