@@ -54,7 +54,12 @@ os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from bench.bench_draft_agreement import DraftPosition, draft_trace, target_greedy
+from bench.bench_draft_agreement import (
+    DraftPosition,
+    draft_trace,
+    target_greedy,
+    trace_agreement,
+)
 from bench.bench_forward import measure
 from tools.fetch_models import cached_pair_or_report
 
@@ -194,11 +199,16 @@ def format_table(rows: Sequence[PolicyRow]) -> str:
 
 def measured_costs(target: ModelRunner, draft: ModelRunner, max_drafts: int, rounds: int) -> Costs:
     """Medians over ``rounds`` of one draft token and of target forwards of 1..max_drafts+1."""
-    sizes = list(range(1, max_drafts + 2))
-    samples = measure({"target": target, "draft": draft}, sizes, context=128, rounds=rounds)
+    verify_sizes = list(range(1, max_drafts + 2))
+    samples = measure(
+        {"target": target, "draft": draft},
+        {"target": verify_sizes, "draft": [1]},  # a draft forward reads one token
+        context=128,
+        rounds=rounds,
+    )
     return Costs(
         draft=statistics.median(samples["draft"][1]),
-        verify={n: statistics.median(samples["target"][n]) for n in sizes},
+        verify={n: statistics.median(samples["target"][n]) for n in verify_sizes},
     )
 
 
@@ -239,7 +249,7 @@ def main(argv: list[str]) -> int:
             draft_trace(pair.draft.model, p, c) for p, c in zip(prompts, continuations, strict=True)
         ]
     costs = measured_costs(engine.target, engine.draft, max_drafts, args.rounds)
-    agreement = [sum(p.agrees for p in t) / len(t) for t in traces]
+    agreement = [trace_agreement(t) for t in traces]
     print(
         f"draft {quantization}; {len(traces)} prompts, {[len(t) for t in traces]} tokens; "
         f"agreement {' / '.join(f'{a:.3f}' for a in agreement)}; "

@@ -80,10 +80,14 @@ def draft_trace(draft: Any, prompt: list[int], continuation: list[int]) -> list[
     return positions
 
 
+def trace_agreement(trace: Sequence[DraftPosition]) -> float:
+    """Share of the trace's positions where the draft's argmax is the target's token."""
+    return sum(p.agrees for p in trace) / len(trace)
+
+
 def agreement(draft: Any, prompt: list[int], continuation: list[int]) -> float:
     """Share of ``continuation``'s tokens that are ``draft``'s argmax given all before them."""
-    trace = draft_trace(draft, prompt, continuation)
-    return sum(p.agrees for p in trace) / len(trace)
+    return trace_agreement(draft_trace(draft, prompt, continuation))
 
 
 def agreement_in_one_forward(draft: Any, prompt: list[int], continuation: list[int]) -> float:

@@ -98,22 +98,27 @@ def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -
 
 def measure(
     runners: Mapping[str, ModelRunner],
-    sizes: Sequence[int],
+    sizes: Mapping[str, Sequence[int]],
     *,
     context: int,
     rounds: int,
     repeats: int = REPEATS,
 ) -> dict[str, dict[int, list[float]]]:
-    """Seconds per forward: model -> size -> one value per round (rounds alternate)."""
+    """Seconds per forward: model -> size -> one value per round (rounds alternate).
+
+    ``sizes`` names the query sizes to time for each model in ``runners``.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in runners}
+    samples: dict[str, dict[int, list[float]]] = {
+        name: {n: [] for n in sizes[name]} for name in runners
+    }
     with torch.inference_mode():
         for runner in runners.values():
             prefill(runner, context)
         for _ in range(rounds):
             for name, runner in runners.items():
-                for n in sizes:
+                for n in sizes[name]:
                     samples[name][n].append(time_forward(runner, n, context, repeats))
     return samples
 
@@ -204,7 +209,8 @@ def main(argv: list[str]) -> int:
         f"context {args.context}, {args.rounds} rounds of {REPEATS} forwards per size",
         flush=True,
     )
-    rows = summarize(measure(runners, args.tokens, context=args.context, rounds=args.rounds))
+    every = {name: args.tokens for name in runners}
+    rows = summarize(measure(runners, every, context=args.context, rounds=args.rounds))
     print(format_rows(rows))
     if args.json is not None:
         args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=1) + "\n")

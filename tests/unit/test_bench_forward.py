@@ -52,7 +52,8 @@ def test_measure_times_every_size_and_keeps_the_context() -> None:
     with torch.inference_mode():
         prefill(engine.target, CONTEXT)
     context = storage.tensor[..., :CONTEXT, :].clone()
-    samples = measure(runners, [1, 3, 5], context=CONTEXT, rounds=2, repeats=2)
+    every = {name: [1, 3, 5] for name in runners}
+    samples = measure(runners, every, context=CONTEXT, rounds=2, repeats=2)
     assert set(samples) == {"target", "draft"}
     for by_size in samples.values():
         assert set(by_size) == {1, 3, 5}
@@ -62,6 +63,21 @@ def test_measure_times_every_size_and_keeps_the_context() -> None:
     assert engine.target.storage is storage
 
 
+def test_measure_times_only_the_sizes_named_for_each_model() -> None:
+    pair = build_pair("llama", seed=0)
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, pair.tokenizer, "target"),
+        as_loaded(pair.draft, pair.tokenizer, "draft"),
+        SpeculationKnobs(),
+        options=EngineOptions(max_slots=1, max_length=32),
+    )
+    assert engine.draft is not None
+    runners = {"target": engine.target, "draft": engine.draft}
+    sizes = {"target": [1, 2, 3], "draft": [1]}
+    samples = measure(runners, sizes, context=CONTEXT, rounds=1, repeats=1)
+    assert {name: sorted(by_size) for name, by_size in samples.items()} == sizes
+
+
 def test_rounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="rounds"):
-        measure({}, [1], context=CONTEXT, rounds=0)
+        measure({}, {}, context=CONTEXT, rounds=0)
