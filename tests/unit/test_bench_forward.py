@@ -37,14 +37,18 @@ def test_summary_takes_ratios_within_each_round() -> None:
     assert (four.ratio, four.ratio_min, four.ratio_max) == pytest.approx((1.1, 1.0, 1.2))
 
 
-def test_measure_times_every_size_and_keeps_the_context() -> None:
+def _tiny_engine() -> SpeculativeEngine:
     pair = build_pair("llama", seed=0)
-    engine = SpeculativeEngine(
+    return SpeculativeEngine(
         as_loaded(pair.target, pair.tokenizer, "target"),
         as_loaded(pair.draft, pair.tokenizer, "draft"),
         SpeculationKnobs(),
         options=EngineOptions(max_slots=1, max_length=32),
     )
+
+
+def test_measure_times_every_size_and_keeps_the_context() -> None:
+    engine = _tiny_engine()
     assert engine.draft is not None
     runners = {"target": engine.target, "draft": engine.draft}
     storage = engine.target.storage
@@ -64,13 +68,7 @@ def test_measure_times_every_size_and_keeps_the_context() -> None:
 
 
 def test_measure_times_only_the_sizes_named_for_each_model() -> None:
-    pair = build_pair("llama", seed=0)
-    engine = SpeculativeEngine(
-        as_loaded(pair.target, pair.tokenizer, "target"),
-        as_loaded(pair.draft, pair.tokenizer, "draft"),
-        SpeculationKnobs(),
-        options=EngineOptions(max_slots=1, max_length=32),
-    )
+    engine = _tiny_engine()
     assert engine.draft is not None
     runners = {"target": engine.target, "draft": engine.draft}
     sizes = {"target": [1, 2, 3], "draft": [1]}
