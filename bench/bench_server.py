@@ -47,7 +47,6 @@ from typing import Any, get_args
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from specpair_runtime.config import Quantization, recommended_draft_quantization
 
@@ -78,9 +77,6 @@ class LevelResult:
     streams: int
     wall_seconds: float
     results: list[StreamResult] = field(default_factory=list)
-    # Chunk-size probes of the measured step budget during the level (None: the
-    # server does not export the counter).
-    budget_probes: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -103,7 +99,6 @@ class LevelResult:
             "itl_per_token_p50_ms": round(
                 percentiles(gaps)["p50"] / tokens_per_chunk if tokens_per_chunk else 0.0, 2
             ),
-            "budget_probes": self.budget_probes,
         }
 
 
@@ -278,17 +273,6 @@ def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float) 
     raise TimeoutError("server not ready in time")
 
 
-def budget_probes(base_url: str) -> int | None:
-    """The server's count of step-budget probes, or None where it has no such counter."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "specpair_step_budget_probes":
-            return round(
-                sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
-            )
-    return None
-
-
 def bench_mode(
     config: dict[str, Any], mode: str, args: argparse.Namespace, workdir: Path
 ) -> list[LevelResult]:
@@ -314,10 +298,8 @@ def bench_mode(
         wait_ready(base_url, process, args.ready_timeout)
         # Warm-up: first-call overheads must not land in the measurements.
         asyncio.run(run_level(base_url, mode, 1, 1, args.max_tokens))
-        levels = []
-        for n in args.streams:
-            probes_before = budget_probes(base_url)
-            level = asyncio.run(
+        return [
+            asyncio.run(
                 run_level(
                     base_url,
                     mode,
@@ -327,11 +309,8 @@ def bench_mode(
                     args.long_prompt_words,
                 )
             )
-            probes_after = budget_probes(base_url)
-            if probes_before is not None and probes_after is not None:
-                level.budget_probes = probes_after - probes_before
-            levels.append(level)
-        return levels
+            for n in args.streams
+        ]
     except Exception:
         print(log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
         raise
@@ -347,7 +326,7 @@ def bench_mode(
 def print_table(levels: list[LevelResult]) -> None:
     header = (
         f"{'mode':<12} {'streams':>7} {'tok/s':>8} {'ttft p50':>9} {'p95':>8} {'p99':>8} "
-        f"{'itl p50':>8} {'p95':>8} {'p99':>8} {'tok/chunk':>9} {'probes':>6}"
+        f"{'itl p50':>8} {'p95':>8} {'p99':>8} {'tok/chunk':>9}"
     )
     print(header)
     for level in levels:
@@ -356,16 +335,9 @@ def print_table(levels: list[LevelResult]) -> None:
         print(
             f"{s['mode']:<12} {s['streams']:>7} {s['tokens_per_s']:>8} {t['p50']:>9} "
             f"{t['p95']:>8} {t['p99']:>8} {i['p50']:>8} {i['p95']:>8} {i['p99']:>8} "
-            f"{s['tokens_per_chunk']:>9} {_or_dash(s['budget_probes']):>6}"
+            f"{s['tokens_per_chunk']:>9}"
         )
-    print(
-        "(latencies in ms; ITL = gap between SSE chunks of one stream; probes = chunk-size "
-        "probes of the measured step budget, engine/budget.py)"
-    )
-
-
-def _or_dash(value: int | None) -> str:
-    return "-" if value is None else str(value)
+    print("(latencies in ms; ITL = gap between SSE chunks of one stream)")
 
 
 def goal_ratios(levels: list[LevelResult]) -> dict[str, float]:

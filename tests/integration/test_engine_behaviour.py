@@ -284,30 +284,6 @@ def test_chunked_prefill_under_a_tiny_budget_keeps_outputs(
     assert outputs["long"] == reference.token_ids
 
 
-def test_the_first_waiting_prompt_gets_the_budgets_prefill_floor(
-    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
-) -> None:
-    """A probe (budget.py) raises the floor: the chunk beside the decodes grows to it."""
-    long_prompt = prompts[0] * 6
-    (reference,) = generate(_engine(pair, draft=False), [long_prompt], GREEDY)
-    engine = _engine(pair)
-    outputs: dict[str, list[int]] = {}
-    engine.add_request("a", prompts[1], GREEDY)
-    while not outputs.get("a"):
-        _drain(engine, outputs)
-    engine.add_request("long", long_prompt, GREEDY)
-    engine.budget.tokens = MIN_PREFILL_CHUNK  # the decodes' 4 tokens leave 4
-    engine.budget.prefill_floor = 2 * MIN_PREFILL_CHUNK + 3
-    _drain(engine, outputs)
-    assert engine.step_tokens >= MIN_PREFILL_CHUNK
-    joined = engine._find("long")
-    assert joined is not None and joined.target_len == 2 * MIN_PREFILL_CHUNK + 3
-    while engine.has_unfinished():
-        _drain(engine, outputs)
-    assert outputs["a"] == alone[1]
-    assert outputs["long"] == reference.token_ids
-
-
 def test_temperatures_below_the_floor_decode_greedily(
     pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
 ) -> None:

@@ -25,29 +25,10 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   catch-up then came on top of the budget: steps with chunks took 1.4-1.9x a
   pure step on the 1.5B pair instead of 1.25x.) A step with only a draft
   catch-up is neither pure nor a sample.
-  The last ``SAMPLES`` of them give a line
-  ``extra(c) = fixed + per_token * c``, fitted by Theil-Sen: the median of
-  the slopes between every two samples of different sizes, then the median
-  intercept. A step that some other thread delayed (in the server, the
-  tiny pair's steps took either ~3.5 or ~7.5 ms, whatever the chunk) is one
-  slow sample, and a median outvotes it; a median per distinct size, the
-  fit before, let one slow step at a new size (every step of a growing
-  budget is one) tilt the line and collapse the budget. With one distinct
-  ``c``, or a flat line over sizes less than ``FIT_SPREAD`` apart, all of
-  the extra is read as per token.
-- A probe, when the sizes never spread: while decodes use up the budget,
-  every chunk is the ``MIN_PREFILL_CHUNK`` floor, all samples share one
-  size, and a fixed cost (the tiny pair's few ms in the server) is read as
-  per token, forever: the budget locked at 8-27 tokens and long prompts
-  entered one after another (stop 19). So after ``PROBE_AFTER`` mixed steps
-  whose sizes stayed within ``FIT_SPREAD`` of each other, if their median
-  extra already breaks the allowance (then the cautious reading cannot keep
-  it either, so a larger chunk costs at worst what the small ones did per
-  token), the next ``PROBE_STEPS`` first waiting prompts get ``FIT_SPREAD``
-  times the largest recent size, and their samples tell the two readings
-  apart (several, so one delayed step does not decide it). Where
-  the small chunks fit the allowance (the 1.5B pair: ~72 ms for 8 tokens
-  against ~160 ms) nothing is probed, so a per-token cost is never stretched.
+  The last ``SAMPLES`` of them, as the median per distinct ``c`` (one noisy
+  step must not swing it), give a line
+  ``extra(c) = fixed + per_token * c`` (with one distinct ``c``, or a flat
+  line over sizes less than ``FIT_SPREAD`` apart: all of it per token).
 - The budget is the largest chunk that keeps a mixed step within
   ``STEP_ALLOWANCE`` of the pure step: ``(STEP_ALLOWANCE * pure - fixed) /
   per_token`` prompt tokens, plus the decoding rows' own. When the fixed part
@@ -64,7 +45,6 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from specpair_runtime.engine.depth import TIMING_WINDOW
@@ -83,10 +63,6 @@ MIN_PREFILL_CHUNK = 8
 # A flat line ("chunks cost the same whatever their size") is believed only
 # over chunk sizes at least this factor apart.
 FIT_SPREAD = 2.0
-# Mixed steps of narrow chunk sizes before a probe may widen them, and the
-# samples that a probe takes (see above).
-PROBE_AFTER = 8
-PROBE_STEPS = 3
 
 
 @dataclass
@@ -94,9 +70,7 @@ class StepBudget:
     """Tokens per step over all rows; ``fixed`` budgets never change.
 
     ``ceiling``: the most a measured budget grows to, and what a step with no
-    decoding row takes (nobody waits on it). ``prefill_floor``: the least the
-    first waiting prompt gets in a step with decoding rows (a probe raises it
-    for ``probe_left`` more samples). ``probes``: how many probes were started.
+    decoding row takes (nobody waits on it).
     """
 
     tokens: int
@@ -104,9 +78,6 @@ class StepBudget:
     fixed: bool = False
     pure: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     extra: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    prefill_floor: int = MIN_PREFILL_CHUNK
-    probe_left: int = 0
-    probes: int = 0
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.ceiling < self.tokens:
@@ -137,20 +108,6 @@ class StepBudget:
         pure = min(window)
         self.extra.append((prompt_tokens, max(seconds - pure, 0.0)))
         self.tokens = self._next(pure, decoding_rows * (depth + 1))
-        self._probe(prompt_tokens, pure)
-
-    def _probe(self, prompt_tokens: int, pure: float) -> None:
-        """Go on with a probe that this step sampled, or start one if the fit needs it."""
-        if self.probe_left > 0:
-            if prompt_tokens >= self.prefill_floor:  # (a short prompt's end is not a sample)
-                self.probe_left -= 1
-            if self.probe_left == 0:
-                self.prefill_floor = MIN_PREFILL_CHUNK
-            return
-        size = probe_size(self.extra, pure, self.ceiling)
-        if size is not None:
-            self.prefill_floor, self.probe_left = size, PROBE_STEPS
-            self.probes += 1
 
     def _pure_window(self, decoding_rows: int, depth: int) -> deque[float] | None:
         """Pure steps of this shape, else of the same depth and the nearest number of rows.
@@ -181,58 +138,38 @@ class StepBudget:
         return max(MIN_PREFILL_CHUNK, min(wanted, grown, self.ceiling))
 
 
-def probe_size(samples: deque[tuple[int, float]], pure: float, ceiling: int) -> int | None:
-    """The chunk size that would tell a fixed cost from a per-token one, or None.
-
-    Only when the window's sizes never spread ``FIT_SPREAD`` apart (the fit
-    cannot tell the readings apart), over at least ``PROBE_AFTER`` samples,
-    and the recent samples' median extra breaks the allowance on its own.
-    """
-    if len(samples) < PROBE_AFTER:
-        return None
-    sizes = [tokens for tokens, _ in samples]
-    if max(sizes) >= FIT_SPREAD * min(sizes):
-        return None  # the fit sees a spread already
-    recent = list(samples)[-PROBE_AFTER:]
-    if statistics.median(extra for _, extra in recent) <= STEP_ALLOWANCE * pure:
-        return None  # the small chunks fit: a larger one could only stretch the step
-    size = min(int(FIT_SPREAD * max(sizes)), ceiling)
-    return size if size > max(sizes) else None
-
-
-def chunk_cost(samples: Iterable[tuple[int, float]]) -> tuple[float, float]:
+def chunk_cost(samples: deque[tuple[int, float]]) -> tuple[float, float]:
     """(fixed seconds, seconds per prompt token) of a mixed step, from (tokens, extra) samples.
 
-    Theil-Sen: the median slope over every two samples of different sizes,
-    then the median of ``extra - slope * tokens``, clipped to non-negative
-    parts. With one distinct size the whole extra is per token (the cautious
-    reading); so too when the line comes out flat over sizes less than
-    ``FIT_SPREAD`` apart.
+    The median extra per distinct chunk size, then a least-squares line
+    through those points, clipped to non-negative parts. With one distinct
+    size the whole extra is per token (the cautious reading); so too when the
+    line comes out flat over sizes less than ``FIT_SPREAD`` apart.
     """
-    points = list(samples)
-    sizes = [float(tokens) for tokens, _ in points]
-    slopes = [
-        (e2 - e1) / (c2 - c1)
-        for i, (c1, e1) in enumerate(points)
-        for c2, e2 in points[i + 1 :]
-        if c2 != c1
-    ]
-    if not slopes:
-        return 0.0, _per_token_only(points)
-    slope = statistics.median(slopes)
+    by_size: dict[int, list[float]] = {}
+    for tokens, extra in samples:
+        by_size.setdefault(tokens, []).append(extra)
+    points = [(float(c), statistics.median(e)) for c, e in by_size.items()]
+    if len(points) == 1:
+        return 0.0, _through_origin(points)
+    mean_c = statistics.fmean(c for c, _ in points)
+    mean_e = statistics.fmean(e for _, e in points)
+    spread = sum((c - mean_c) ** 2 for c, _ in points)
+    slope = sum((c - mean_c) * (e - mean_e) for c, e in points) / spread
     if slope <= 0.0:
+        sizes = [c for c, _ in points]
         if max(sizes) < FIT_SPREAD * min(sizes):
             # Sizes this close (8, 9, 10 tokens) cannot tell "chunks are free" from
             # noise: read that way once, the budget doubled into a step 40 % slower
             # than its neighbours (the 1.5B pair on 2 cores).
-            return 0.0, _per_token_only(points)
-        return max(statistics.median(e for _, e in points), 0.0), 0.0
-    intercept = statistics.median(e - slope * c for c, e in points)
+            return 0.0, _through_origin(points)
+        return max(mean_e, 0.0), 0.0
+    intercept = mean_e - slope * mean_c
     if intercept < 0.0:  # a line through the origin instead
-        return 0.0, _per_token_only(points)
+        return 0.0, _through_origin(points)
     return intercept, slope
 
 
-def _per_token_only(points: list[tuple[int, float]]) -> float:
-    """Seconds per token when all of the extra is read as per token: the median ratio."""
-    return statistics.median(e / c for c, e in points)
+def _through_origin(points: list[tuple[float, float]]) -> float:
+    """Seconds per token of the least-squares line ``extra = per_token * c``."""
+    return sum(c * e for c, e in points) / sum(c * c for c, _ in points)

@@ -49,6 +49,7 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
+from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
@@ -370,11 +371,6 @@ class SpeculativeEngine:
         return self.budget.tokens
 
     @property
-    def step_budget_probes(self) -> int:
-        """How many chunk-size probes the measured budget asked for (budget.py)."""
-        return self.budget.probes
-
-    @property
     def draft_storage_allocated(self) -> bool:
         return self.draft is not None and self.draft.storage is not None
 
@@ -434,7 +430,7 @@ class SpeculativeEngine:
 
         Decoding rows always run (the streams never wait); prefill chunks fill
         what the budget leaves, first come first served, at least
-        ``budget.prefill_floor`` tokens (the budget's ceiling when no row
+        ``MIN_PREFILL_CHUNK`` tokens (the budget's ceiling when no row
         decodes). The draft gets its own budget of the same size for
         catch-up chunks.
         """
@@ -463,7 +459,7 @@ class SpeculativeEngine:
             if request.decoding:
                 continue
             pending = request.sequence_len - request.target_len
-            room = max(budget, self.budget.prefill_floor if first_prefill else 0)
+            room = max(budget, MIN_PREFILL_CHUNK if first_prefill else 0)
             size = min(pending, room)
             if size <= 0:
                 continue

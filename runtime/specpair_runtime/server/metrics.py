@@ -117,13 +117,6 @@ class ServerMetrics:
             PAIR_LABELS,
             registry=reg,
         ).labels(**labels)
-        self.step_budget_probes = Counter(
-            "specpair_step_budget_probes",
-            "Steps in which the measured budget gave a waiting prompt a larger chunk, to tell "
-            "a fixed chunk cost from a per-token one (engine/budget.py).",
-            PAIR_LABELS,
-            registry=reg,
-        ).labels(**labels)
         self._errors = Counter(
             "specpair_request_errors",
             "Requests answered with an error (or ended by one mid-stream), by error code.",

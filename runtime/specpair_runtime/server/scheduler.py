@@ -96,7 +96,6 @@ class Scheduler:
         self._stopping = False
         self._pause: str | None = None
         self._speculating: bool | None = None
-        self._budget_probes = 0  # the engine's count that the metric has seen
         self._thread: threading.Thread | None = None
 
     # -- thread-safe API for the HTTP side ---------------------------------
@@ -277,10 +276,6 @@ class Scheduler:
         budget = getattr(self.engine, "step_tokens", None)
         if isinstance(budget, int):
             self.metrics.step_token_budget.set(budget)
-        probes = getattr(self.engine, "step_budget_probes", None)
-        if isinstance(probes, int) and probes > self._budget_probes:
-            self.metrics.step_budget_probes.inc(probes - self._budget_probes)
-            self._budget_probes = probes
         self._track_speculation()
 
     def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:
