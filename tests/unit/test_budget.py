@@ -74,6 +74,23 @@ def test_one_noisy_step_does_not_swing_the_estimate() -> None:
     assert not budget.fixed
 
 
+def test_one_slow_step_at_a_new_size_shrinks_a_growing_budget() -> None:
+    # Deliberately cautious. A growing budget tries a new chunk size in every
+    # step, so a slow step is its own point of the line. Stop 20 tried a robust
+    # fit (Theil-Sen) that kept growing through it, plus a probe of larger
+    # chunks: on the 1.5B pair the 8-stream p99 ITL ratio went from 1.07x
+    # (1.00-1.54) to 1.87x (1.34-2.62) over 3 alternating rounds.
+    budget = StepBudget(8, 256)
+    budget.record(2, 0, 0, 0.0030)
+    sizes = []
+    for step in range(10):
+        chunk = budget.tokens - 2
+        sizes.append(chunk)
+        budget.record(2, 0, chunk, 0.0075 if step == 9 else 0.0035)
+    assert sizes[-1] > 32  # it grew while chunks were cheap
+    assert budget.tokens < sizes[-1]  # and the slow one is believed at once
+
+
 def test_a_chunk_without_a_pure_step_of_its_depth_is_not_used() -> None:
     budget = StepBudget(32, 256)
     budget.record(2, 1, 0, 0.100)
