@@ -257,16 +257,17 @@ class Bench:
                 check=True,
                 capture_output=True,
             )
-            subprocess.run(
-                [
-                    *kubectl,
-                    "wait",
-                    "--for=condition=Established",
-                    "crd/speculativepairs.specpair.dev",
-                ],
-                check=True,
-                capture_output=True,
+            # kubectl wait fails at once on a CRD whose status is not written yet.
+            crd = (
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                "speculativepairs.specpair.dev"
             )
+
+            def established() -> bool:
+                conditions = self.api("GET", crd).get("status", {}).get("conditions") or []
+                return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+            self.wait(established, "the CRD Established", 90)
             self.plane.ensure_namespace(NAMESPACE)
             time.sleep(5)
             log(f"baseline window ({args.quiet_seconds:.0f} s, no operator, no pairs)")

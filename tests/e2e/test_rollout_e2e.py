@@ -47,6 +47,7 @@ from tools.control_plane import ControlPlane
 
 from tests.support.fake_kubelet import FakeKubelet
 from tests.support.k8s_fixtures import Kubectl
+from tests.support.operator_process import install_crds
 from tests.support.polling import PAIRS, wait_for
 from tests.support.server_harness import free_port
 
@@ -320,10 +321,7 @@ def env(
     models: Models,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Env]:
-    kubectl("apply", "--validate=warn", "-f", str(ROOT / "crds"))
-    kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/speculativepairs.specpair.dev"
-    )
+    install_crds(kubectl)
     namespace = f"e2e-{uuid.uuid4().hex[:8]}"
     control_plane.ensure_namespace(namespace)
     work = tmp_path_factory.mktemp("e2e")

@@ -19,7 +19,12 @@ from tools.control_plane import ControlPlane
 
 from tests.support.helm_chart import CHART
 from tests.support.k8s_fixtures import Kubectl
-from tests.support.operator_process import Operator, install_crds, pair_path
+from tests.support.operator_process import (
+    Operator,
+    install_crds,
+    pair_path,
+    wait_crd_established,
+)
 from tests.support.polling import get_or_none, wait_for
 
 pytestmark = pytest.mark.integration
@@ -40,7 +45,7 @@ def test_crd_commands_for_apiservers_older_than_1_25(kubectl: Kubectl) -> None:
     # What the table gives for 1.20 to 1.24:
     kubectl("replace", "--validate=false", "-f", crds)
     kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", CRD_NAME)
+    wait_crd_established(kubectl)
 
 
 def cpu_pair(name: str) -> dict[str, Any]:

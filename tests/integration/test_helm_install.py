@@ -21,6 +21,7 @@ from tools.control_plane import Binaries, ControlPlane, free_port
 
 from tests.support.helm_chart import CHART, ROOT
 from tests.support.k8s_fixtures import Kubectl
+from tests.support.operator_process import wait_crd_established
 from tests.support.polling import PAIRS, get_or_none, wait_for
 
 pytestmark = pytest.mark.integration
@@ -166,12 +167,7 @@ def test_helm_install_gives_an_operator_that_reconciles_the_cpu_sample(
     plane = rbac_control_plane
     with Release(helm, "specpair", "specpair-system") as release:
         # Helm installed the CRD from the chart's crds/.
-        admin(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/speculativepairs.specpair.dev",
-        )
+        wait_crd_established(admin)
         listed = helm("list", "--namespace", "specpair-system", "-o", "json").stdout
         assert '"status":"deployed"' in listed.replace(" ", "")
 
@@ -208,12 +204,7 @@ def test_watched_namespaces_install_reconciles_only_there(
         plane.ensure_namespace(ns)
     # The CRD may be there from the test above; Helm skips an existing CRD.
     with Release(helm, "scoped", "specpair-scoped", f"watchedNamespaces={{{watched}}}") as release:
-        admin(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/speculativepairs.specpair.dev",
-        )
+        wait_crd_established(admin)
         kubeconfig = plane.service_account_kubeconfig(
             release.namespace, release.fullname, create=False
         )

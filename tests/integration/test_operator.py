@@ -23,7 +23,6 @@ from tests.support.operator_process import (
     ROOT,
     Operator,
     api,
-    apply_crds,
     condition,
     create_pair,
     create_ready_node,
@@ -218,10 +217,7 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
 ) -> None:
     plane = rbac_control_plane
     admin = Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)
-    apply_crds(admin)
-    admin(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/speculativepairs.specpair.dev"
-    )
+    install_crds(admin)
     plane.ensure_namespace("specpair-system")
     admin("apply", "-f", str(ROOT / "deploy" / "rbac"))
     operator_kubeconfig = plane.service_account_kubeconfig(

@@ -186,6 +186,11 @@ def apply_crds(kubectl: Kubectl) -> None:
 def install_crds(kubectl: Kubectl) -> None:
     """`kubectl apply -f crds/`, as a user installs it; waits until Established."""
     apply_crds(kubectl)
+    wait_crd_established(kubectl)
+
+
+def wait_crd_established(kubectl: Kubectl) -> None:
+    """Wait until the SpeculativePair CRD is Established (however it was installed)."""
 
     # kubectl wait fails at once ("conditions accessor error") on a CRD so new
     # that the apiserver has not written its status yet: ask again.
