@@ -60,7 +60,7 @@ from bench.bench_draft_agreement import (
     target_greedy,
     trace_agreement,
 )
-from bench.bench_forward import measure
+from bench.bench_forward import measure, pair_and_engine
 from tools.fetch_models import cached_pair_or_report
 
 if TYPE_CHECKING:
@@ -225,23 +225,14 @@ def main(argv: list[str]) -> int:
     if dirs is None:
         return 2
     from specpair_runtime.benchmark import DEFAULT_PROMPTS
-    from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
-    from specpair_runtime.engine.options import EngineOptions
-    from specpair_runtime.engine.pair import load_pair
+    from specpair_runtime.config import recommended_draft_quantization
     from specpair_runtime.engine.prompting import encode_prompt
 
     quantization = recommended_draft_quantization("cpu")
-    pair = load_pair(
-        ModelSpec(source=str(dirs["target"])),
-        ModelSpec(source=str(dirs["draft"]), quantization=quantization),
-        SpeculationKnobs(),
-        "cpu",
-    )
-    assert pair.draft is not None
-    max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS)
     # The engine switches the target to its kernels, so its greedy tokens are the engine's.
-    engine = pair.engine(options=EngineOptions(max_slots=1, max_length=256))
-    assert engine.draft is not None
+    pair, engine = pair_and_engine(dirs, "cpu", quantization, max_length=256)
+    assert pair.draft is not None and engine.draft is not None
+    max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS)
     prompts = [encode_prompt(pair.target.tokenizer, text, chat=True) for text in DEFAULT_PROMPTS]
     with torch.inference_mode():
         continuations = [target_greedy(pair.target.model, p, args.max_new_tokens) for p in prompts]

@@ -46,7 +46,11 @@ from specpair_runtime.config import Quantization
 from specpair_runtime.engine.kvcache import RowSpan
 
 if TYPE_CHECKING:
+    from tools.fetch_models import Role
+
+    from specpair_runtime.engine.pair import LoadedPair
     from specpair_runtime.engine.runner import ModelRunner
+    from specpair_runtime.engine.speculative import SpeculativeEngine
 
 DEFAULT_TOKENS = (1, 2, 4, 5, 8, 9, 16)
 DEFAULT_CONTEXT = 128
@@ -161,6 +165,27 @@ def format_rows(rows: Sequence[CostRow]) -> str:
     return "\n".join(lines)
 
 
+def pair_and_engine(
+    dirs: Mapping[Role, Path], device: str, quantization: Quantization, max_length: int
+) -> tuple[LoadedPair, SpeculativeEngine]:
+    """The fetched pair, and a one-slot engine over it whose runners are timed.
+
+    The engine's own options: it switches the target to its kernels, and on
+    CUDA uniform steps replay captured graphs.
+    """
+    from specpair_runtime.config import ModelSpec, SpeculationKnobs
+    from specpair_runtime.engine.options import EngineOptions
+    from specpair_runtime.engine.pair import load_pair
+
+    pair = load_pair(
+        ModelSpec(source=str(dirs["target"])),
+        ModelSpec(source=str(dirs["draft"]), quantization=quantization),
+        SpeculationKnobs(),
+        device,
+    )
+    return pair, pair.engine(options=EngineOptions(max_slots=1, max_length=max_length))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tokens", type=parse_tokens, default=list(DEFAULT_TOKENS))
@@ -181,23 +206,14 @@ def main(argv: list[str]) -> int:
     dirs = cached_pair_or_report()
     if dirs is None:
         return 2
-    from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
+    from specpair_runtime.config import recommended_draft_quantization
     from specpair_runtime.engine.loading import resolve_device
-    from specpair_runtime.engine.options import EngineOptions
-    from specpair_runtime.engine.pair import load_pair
 
     device = resolve_device(args.device)
     # The draft as make bench runs it; the target is never quantized.
     quantization = args.draft_quantization or recommended_draft_quantization(device.type)
-    pair = load_pair(
-        ModelSpec(source=str(dirs["target"])),
-        ModelSpec(source=str(dirs["draft"]), quantization=quantization),
-        SpeculationKnobs(),
-        str(device),
-    )
     length = args.context + max(args.tokens) + 1
-    # The engine's own options: on CUDA, uniform steps replay captured graphs.
-    engine = pair.engine(options=EngineOptions(max_slots=1, max_length=length))
+    _, engine = pair_and_engine(dirs, str(device), quantization, length)
     runners: dict[str, ModelRunner] = {"target": engine.target}
     if engine.draft is not None:
         runners["draft"] = engine.draft
