@@ -291,6 +291,8 @@ def bench_mode(
     command = [sys.executable, "-m", "specpair_runtime", "serve", "--config", str(path)]
     if args.device:
         command += ["--device", args.device]
+    if args.cpu_threads is not None:
+        command += ["--cpu-threads", str(args.cpu_threads)]
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
@@ -384,6 +386,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--modes", default="speculation,target-only", metavar="M,M")
     parser.add_argument("--device", help="passed to serve --device")
+    parser.add_argument(
+        "--cpu-threads", type=int, metavar="N", help="passed to serve --cpu-threads"
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     parser.add_argument(

@@ -413,6 +413,7 @@ class OutputFilterSpec(ContractModel):
 RUNTIME_SERVING_OPTIONS = (
     "max_step_tokens",
     "cuda_graphs",
+    "cpu_threads",
     "max_request_body_bytes",
     "header_timeout_seconds",
     "body_timeout_seconds",
@@ -466,6 +467,16 @@ class ServingSpec(ContractModel):
         description=(
             "On CUDA, replay decode and verify steps as captured CUDA graphs "
             f"(torch.compile); ignored on the CPU. Unset: {_runtime_default('cuda_graphs')}."
+        ),
+    )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description=(
+            "Threads for the runtime's CPU kernels (1 to 1024). Unset: torch's default (one "
+            "per core the pod sees), capped by the container's CPU limit (resources.cpu), "
+            "so that the pod is not throttled."
         ),
     )
     max_request_body_bytes: int | None = Field(

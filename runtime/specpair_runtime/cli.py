@@ -210,8 +210,11 @@ def knobs_from(args: argparse.Namespace) -> SpeculationKnobs:
 
 
 def load(args: argparse.Namespace, *, with_draft: bool) -> LoadedPair:
+    from specpair_runtime.cpu_threads import apply_cpu_threads
     from specpair_runtime.engine.pair import load_pair
 
+    threads, why = apply_cpu_threads(None)  # a pod's CPU quota caps torch's default
+    log.debug("cpu threads: %d (%s)", threads, why)
     target, draft = model_specs(args, with_draft=with_draft)
     return load_pair(target, draft, knobs_from(args), args.device)
 

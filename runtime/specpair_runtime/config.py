@@ -140,6 +140,15 @@ class ServingOptions(ContractModel):
         default=True,
         description="On CUDA, capture decode/verify steps with CUDA graphs (torch.compile).",
     )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description=(
+            "Threads for torch's CPU kernels. Default: OMP_NUM_THREADS when set, else "
+            "torch's default capped by the cgroup's CPU quota (cpu_threads.py)."
+        ),
+    )
     api_key_file: str | None = Field(
         default=None,
         description=(

@@ -144,6 +144,7 @@ def test_serving_options_have_int64_safe_bounds_and_no_defaults() -> None:
         assert timeout["type"] == "number" and timeout["exclusiveMinimum"] is True, name
         assert (timeout["minimum"], timeout["maximum"]) == (0.0, 3600.0), name
     assert serving["cudaGraphs"]["type"] == "boolean"
+    assert (serving["cpuThreads"]["minimum"], serving["cpuThreads"]["maximum"]) == (1, 1024)
     patterns = serving["outputFilter"]["properties"]["denyPatterns"]
     assert patterns["maxItems"] == api.MAX_DENY_PATTERNS
     assert patterns["items"]["maxLength"] == api.MAX_DENY_PATTERN_LENGTH

@@ -27,6 +27,7 @@ SERVING_FLAGS = {
     "max_request_body_bytes": "maxRequestBodyBytes",
     "header_timeout_seconds": "headerTimeoutSeconds",
     "body_timeout_seconds": "bodyTimeoutSeconds",
+    "cpu_threads": "cpuThreads",
 }
 
 
@@ -56,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
     serve.add_argument(
+        "--cpu-threads", type=int, metavar="N", help="threads for CPU kernels (serving.cpuThreads)"
+    )
+    serve.add_argument(
         "--reload-interval", type=float, default=2.0, metavar="S",
         help="seconds between config file checks for live knob changes",
     )  # fmt: skip
@@ -79,6 +83,7 @@ def apply_overrides(config: RuntimeConfig, overrides: dict[str, object]) -> Runt
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # Imported here: `--help` and the other commands must not pay for them.
+    from specpair_runtime.cpu_threads import apply_cpu_threads
     from specpair_runtime.server.runner import build_server
     from specpair_runtime.server.startup import start_loader, stop_serving
     from specpair_runtime.server.state import ServerState
@@ -87,6 +92,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = apply_overrides(load_runtime_config(args.config), vars(args))
     serving = config.serving
     state = ServerState(config, config_path=args.config, device=args.device)
+    # Before any other thread starts: the engine and loader threads inherit the count.
+    threads, why = apply_cpu_threads(serving.cpu_threads)
+    state.metrics.cpu_threads.set(threads)
+    log.info("cpu threads: %d (%s)", threads, why)
     start_key_watcher(state, args.reload_interval)
     server = build_server(state, serving.host, serving.port)
     start_loader(state, args.reload_interval)

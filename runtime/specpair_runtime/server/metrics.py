@@ -110,6 +110,13 @@ class ServerMetrics:
         self.requests_waiting = Gauge(
             "specpair_requests_waiting", "Requests in the waiting queue.", PAIR_LABELS, registry=reg
         ).labels(**labels)
+        self.cpu_threads = Gauge(
+            "specpair_cpu_threads",
+            "Threads torch's CPU kernels run on (serving.cpuThreads, OMP_NUM_THREADS, or "
+            "torch's default capped by the cgroup's CPU quota).",
+            PAIR_LABELS,
+            registry=reg,
+        ).labels(**labels)
         self.step_token_budget = Gauge(
             "specpair_step_token_budget",
             "Tokens one engine step may take over all requests (chunked prefill budget: "

@@ -1,0 +1,106 @@
+"""How many threads torch's CPU kernels get: the CPUs this process may really use.
+
+torch sizes its intra-op pool from the CPUs it can see, not from the
+container's CPU quota. A pod limited to 2 CPUs on a 64-core node would run a
+thread per core, and the kernel's CFS quota would stop the whole pod for most
+of every period. So without a configured count the runtime caps torch's
+default at the cgroup's quota (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us``
+over ``cpu.cfs_period_us`` in v1), rounded down and at least one.
+
+A parallel op ends only when its last thread does, so a thread without a
+core stalls the whole op. Measured on 2 cores (Xeon, AVX-512) with the tiny
+Llama pair's target, 8 decoding rows plus a 32-token prompt chunk, while a
+busy loop held one core: 5.4 ms a step on 2 threads against 1.6 ms on 1
+(1.9 and 1.7 ms without the busy loop; ``bench/bench_cpu_threads.py``).
+``serving.cpuThreads`` pins the count; docs/operations.md has the trade.
+
+``OMP_NUM_THREADS``, when set, is torch's own knob and is left alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_FIELD = "serving.cpuThreads"
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """The intra-op thread count to set (None: keep torch's) and why, for the log."""
+
+    threads: int | None
+    reason: str
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _quota(quota: str | None, period: str | None) -> float | None:
+    """CPUs from a quota and a period in microseconds; None when unlimited or unreadable."""
+    if quota is None or period is None or quota in ("max", "-1"):
+        return None
+    try:
+        cpus = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return cpus if cpus > 0 else None
+
+
+def cgroup_cpu_limit(root: Path = Path("/")) -> float | None:
+    """The CPUs the process's cgroup may use per period (a fraction allowed), or None.
+
+    ``root`` lets tests lay out their own files.
+    """
+    cgroup = root / "sys/fs/cgroup"
+    v2 = _read(cgroup / "cpu.max")  # "max 100000" or "200000 100000"
+    if v2 is not None:
+        parts = v2.split()
+        return _quota(parts[0], parts[1]) if len(parts) == 2 else None
+    for directory in ("cpu", "cpu,cpuacct"):
+        v1 = cgroup / directory
+        limit = _quota(_read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us"))
+        if limit is not None:
+            return limit
+    return None
+
+
+def plan_cpu_threads(
+    configured: int | None,
+    environ: Mapping[str, str],
+    torch_default: int,
+    cpu_limit: float | None,
+) -> ThreadPlan:
+    """The thread count: configured, else ``OMP_NUM_THREADS``, else torch's capped by the quota."""
+    if configured is not None:
+        return ThreadPlan(configured, f"{CONFIG_FIELD} is {configured}")
+    if "OMP_NUM_THREADS" in environ:
+        value = environ["OMP_NUM_THREADS"]
+        return ThreadPlan(None, f"OMP_NUM_THREADS is {value!r}: torch's own setting")
+    if cpu_limit is not None and cpu_limit < torch_default:
+        threads = max(1, math.floor(cpu_limit))
+        return ThreadPlan(
+            threads,
+            f"the cgroup's CPU quota is {cpu_limit:g} CPUs (torch's default: {torch_default})",
+        )
+    return ThreadPlan(None, f"torch's default for the CPUs this process sees ({torch_default})")
+
+
+def apply_cpu_threads(configured: int | None, root: Path = Path("/")) -> tuple[int, str]:
+    """Set torch's intra-op threads for this process; returns (threads in force, reason).
+
+    Call it before the models load: every thread started later gets the count.
+    """
+    import torch
+
+    plan = plan_cpu_threads(configured, os.environ, torch.get_num_threads(), cgroup_cpu_limit(root))
+    if plan.threads is not None:
+        torch.set_num_threads(plan.threads)
+    return torch.get_num_threads(), plan.reason
