@@ -5,7 +5,8 @@ container's CPU quota. A pod limited to 2 CPUs on a 64-core node would run a
 thread per core, and the kernel's CFS quota would stop the whole pod for most
 of every period. So without a configured count the runtime caps torch's
 default at the cgroup's quota (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us``
-over ``cpu.cfs_period_us`` in v1), rounded down and at least one.
+over ``cpu.cfs_period_us`` in v1; the smallest over the process's cgroup and
+those above it), rounded down and at least one.
 
 A parallel op ends only when its last thread does, so a thread without a
 core stalls the whole op. Measured on 2 cores (Xeon, AVX-512) with the tiny
@@ -54,22 +55,49 @@ def _quota(quota: str | None, period: str | None) -> float | None:
     return cpus if cpus > 0 else None
 
 
+def _own_paths(root: Path) -> dict[str, str]:
+    """The process's cgroup path per hierarchy: "" for v2, else each v1 controller."""
+    text = _read(root / "proc/self/cgroup") or ""
+    paths: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(",") if parts[1] else [""]:
+                paths[controller] = parts[2]
+    return paths
+
+
+def _ancestors(mount: Path, path: str) -> list[Path]:
+    """``mount/path`` and every directory above it up to ``mount`` (a limit anywhere applies)."""
+    parts = [part for part in path.split("/") if part]
+    return [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
 def cgroup_cpu_limit(root: Path = Path("/")) -> float | None:
     """The CPUs the process's cgroup may use per period (a fraction allowed), or None.
 
+    Reads the process's own cgroup (``/proc/self/cgroup``) and every cgroup
+    above it, and takes the smallest quota. Inside a container with its own
+    cgroup namespace the path is ``/``: the mount root is the container's.
     ``root`` lets tests lay out their own files.
     """
-    cgroup = root / "sys/fs/cgroup"
-    v2 = _read(cgroup / "cpu.max")  # "max 100000" or "200000 100000"
-    if v2 is not None:
-        parts = v2.split()
-        return _quota(parts[0], parts[1]) if len(parts) == 2 else None
-    for directory in ("cpu", "cpu,cpuacct"):
-        v1 = cgroup / directory
-        limit = _quota(_read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us"))
-        if limit is not None:
-            return limit
-    return None
+    mount = root / "sys/fs/cgroup"
+    own = _own_paths(root)
+    limits: list[float] = []
+    if (mount / "cgroup.controllers").exists():  # v2: one unified hierarchy
+        for directory in _ancestors(mount, own.get("", "/")):
+            parts = (_read(directory / "cpu.max") or "").split()  # "max 100000"
+            limit = _quota(parts[0], parts[1]) if len(parts) == 2 else None
+            limits += [limit] if limit is not None else []
+    else:
+        for name in ("cpu", "cpu,cpuacct"):
+            for directory in _ancestors(mount / name, own.get("cpu", "/")):
+                quota = _read(directory / "cpu.cfs_quota_us")
+                limit = _quota(quota, _read(directory / "cpu.cfs_period_us"))
+                limits += [limit] if limit is not None else []
+            if limits:
+                break
+    return min(limits) if limits else None
 
 
 def plan_cpu_threads(
@@ -86,9 +114,9 @@ def plan_cpu_threads(
         return ThreadPlan(None, f"OMP_NUM_THREADS is {value!r}: torch's own setting")
     if cpu_limit is not None and cpu_limit < torch_default:
         threads = max(1, math.floor(cpu_limit))
+        cpus = f"{cpu_limit:g} CPU" + ("" if cpu_limit == 1 else "s")
         return ThreadPlan(
-            threads,
-            f"the cgroup's CPU quota is {cpu_limit:g} CPUs (torch's default: {torch_default})",
+            threads, f"the cgroup's CPU quota: {cpus}; torch's default: {torch_default}"
         )
     return ThreadPlan(None, f"torch's default for the CPUs this process sees ({torch_default})")
 
