@@ -35,6 +35,7 @@ def main(extra: list[str]) -> int:
 
     from specpair_runtime.cli import main as cli_main
     from specpair_runtime.config import recommended_draft_quantization
+    from specpair_runtime.cpu_threads import apply_cpu_threads
 
     quantization = recommended_draft_quantization("cuda" if torch.cuda.is_available() else "cpu")
     defaults = ["--depths", "2,4,6", "--max-new-tokens", "32"]
@@ -52,8 +53,9 @@ def main(extra: list[str]) -> int:
         *rounds,
         *extra,
     ]
+    threads, why = apply_cpu_threads(None)  # as the bench command will: a quota caps them
     print(
-        f"torch threads: {torch.get_num_threads()}, "
+        f"torch threads: {threads} ({why}), "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}"
     )

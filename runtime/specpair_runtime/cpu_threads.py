@@ -118,7 +118,7 @@ def plan_cpu_threads(
         return ThreadPlan(
             threads, f"the cgroup's CPU quota: {cpus}; torch's default: {torch_default}"
         )
-    return ThreadPlan(None, f"torch's default for the CPUs this process sees ({torch_default})")
+    return ThreadPlan(None, f"torch's default: {torch_default}; no lower CPU quota")
 
 
 def apply_cpu_threads(configured: int | None, root: Path = Path("/")) -> tuple[int, str]:
