@@ -9,7 +9,8 @@ pair's target through the engine's ``ModelRunner``, for each chunk size, on
 1 thread and on all of torch's default threads, with ``--busy`` processes
 spinning or none. Settings alternate within each round, so drift on a shared
 machine hits all of them alike; ms is the median over rounds of each round's
-median step (``serving.cpuThreads``, docs/operations.md).
+median step, and "1 / all" the ratio within each round: median [min-max]
+(``serving.cpuThreads``, docs/operations.md).
 
     .venv/bin/python bench/bench_cpu_threads.py [--chunks 0,16,32,256] [--rounds 3] [--busy 1]
 """
@@ -133,7 +134,12 @@ def main(argv: list[str]) -> int:
     print(header + ("  1 / all" if len(threads) > 1 else ""))
     for busy, chunk in itertools.product(loads, args.chunks):
         ms = [statistics.median(samples[(busy, n, chunk)]) * 1e3 for n in threads]
-        ratio = f"  {ms[0] / ms[-1]:.2f}x" if len(ms) > 1 else ""
+        ratio = ""
+        if len(threads) > 1:  # within each round, so drift between rounds cancels
+            rounds = zip(samples[(busy, 1, chunk)], samples[(busy, every, chunk)], strict=True)
+            per_round = [one / all_ for one, all_ in rounds]
+            low, high = min(per_round), max(per_round)
+            ratio = f"  {statistics.median(per_round):.2f}x [{low:.2f}-{high:.2f}]"
         print(f"{busy:4d}  {chunk:5d} " + "".join(f"{m:10.2f}" for m in ms) + ratio)
     return 0
 

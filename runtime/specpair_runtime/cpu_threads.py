@@ -11,8 +11,8 @@ those above it), rounded down and at least one.
 A parallel op ends only when its last thread does, so a thread without a
 core stalls the whole op. Measured on 2 cores (Xeon, AVX-512) with the tiny
 Llama pair's target, 8 decoding rows plus a 32-token prompt chunk, while a
-busy loop held one core: 5.4 ms a step on 2 threads against 1.6 ms on 1
-(1.9 and 1.7 ms without the busy loop; ``bench/bench_cpu_threads.py``).
+busy loop held one core: 4.7 ms a step on 2 threads against 1.3 ms on 1
+(1.55 and 1.27 ms without the busy loop; ``bench/bench_cpu_threads.py``).
 ``serving.cpuThreads`` pins the count; docs/operations.md has the trade.
 
 ``OMP_NUM_THREADS``, when set, is torch's own knob and is left alone.
