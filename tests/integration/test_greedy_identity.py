@@ -8,7 +8,6 @@ from tools.tiny_models import ModelKind, TinyPair, as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
-from specpair_runtime.engine.cpu_kernels import onednn_available
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 
 PROMPTS = [
@@ -80,14 +79,4 @@ def test_single_request_speculation_equals_target_only(case: Case, depth: int) -
 
 def test_adaptive_depth_equals_target_only(case: Case) -> None:
     results = generate(case.engine(SpeculationKnobs(max_depth=6)), case.prompts, GREEDY)
-    assert [r.token_ids for r in results] == case.baseline
-
-
-def test_a_warmed_up_engine_decodes_the_same_tokens(case: Case) -> None:
-    # The warm-up runs the layers on zero rows of every bucket; it must leave
-    # nothing behind that a request could see (storage, depth, budget).
-    engine = case.engine(fixed_depth(4))
-    if onednn_available():
-        assert engine.warm_up_kernels() > 0
-    results = generate(engine, case.prompts, GREEDY)
     assert [r.token_ids for r in results] == case.baseline

@@ -6,42 +6,14 @@ import pytest
 import torch
 
 from specpair_runtime.engine.cpu_kernels import (
-    BUCKETS_PER_OCTAVE,
-    EXACT_ROWS,
-    gemm_rows,
     onednn_available,
     restore_default_linears,
     use_onednn_linears,
 )
 
-needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch build without oneDNN")
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch build without oneDNN")
 
 
-def test_row_buckets_are_exact_when_small_and_waste_at_most_an_eighth_above() -> None:
-    assert gemm_rows(1) == 2  # one row alone would take the matrix-vector path
-    assert [gemm_rows(n) for n in range(2, EXACT_ROWS + 1)] == list(range(2, EXACT_ROWS + 1))
-    assert [gemm_rows(n) for n in (17, 18, 19, 33, 65, 100, 257, 4097)] == [
-        18,
-        18,
-        20,
-        36,
-        72,
-        104,
-        288,
-        4608,
-    ]
-    for rows in range(1, 5000):
-        padded = gemm_rows(rows)
-        assert padded >= rows and gemm_rows(padded) == padded  # a bucket is its own bucket
-        if rows > EXACT_ROWS:
-            assert (padded - rows) / rows <= 1 / BUCKETS_PER_OCTAVE
-    # A server's steps of 1..256 rows take 47 shapes per layer, not 256.
-    assert len({gemm_rows(n) for n in range(1, 257)}) == 47
-    with pytest.raises(ValueError, match="rows must be >= 1"):
-        gemm_rows(0)
-
-
-@needs_onednn
 def test_linears_are_switched_and_agree_with_the_default_kernel() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -61,7 +33,6 @@ def test_linears_are_switched_and_agree_with_the_default_kernel() -> None:
     assert torch.allclose(single, expected[:1, :1], atol=1e-5)
 
 
-@needs_onednn
 @pytest.mark.parametrize(("inputs", "outputs"), [(1536, 8960), (8960, 1536), (64, 400)])
 def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(inputs: int, outputs: int) -> None:
     # Greedy identity on the CPU rests on this: a 1-token target-only step and a
@@ -76,14 +47,8 @@ def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(inputs: int, outpu
         for rows in (2, 5, 9):
             together = layer(x[:rows])
             assert torch.equal(together, alone[:rows]), f"{rows} rows differ from one row each"
-        # Calls above EXACT_ROWS are zero-padded to their bucket: the padding changes no bits.
-        many = torch.randn(EXACT_ROWS + 3, inputs)
-        padded = layer(many)  # 19 rows run as 20
-        assert padded.shape == (EXACT_ROWS + 3, outputs)
-        assert torch.equal(padded[:2], layer(many[:2]))
 
 
-@needs_onednn
 def test_untied_plain_weights_are_released_and_tied_ones_kept() -> None:
     embedding = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
@@ -102,7 +67,6 @@ def test_untied_plain_weights_are_released_and_tied_ones_kept() -> None:
         restore_default_linears(model)
 
 
-@needs_onednn
 def test_restoring_the_default_kernels_undoes_a_switch_that_kept_the_weights() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     assert use_onednn_linears(model, keep_plain=True) == 2

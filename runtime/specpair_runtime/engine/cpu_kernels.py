@@ -25,19 +25,6 @@ benchmark's stock-kernel baseline); otherwise it is released, so the model does
 not hold its weights twice. ``restore_default_linears`` undoes the switch
 where the plain weight is still there. Results differ from MKL's by float
 rounding only (about 1e-6).
-
-**Row buckets.** oneDNN builds a primitive for every (weight shape, row
-count) it meets. A new row count costs about 0.5-1.5 ms per layer on top of
-the GEMM (1536 x 8960: 3.4 against 1.9 ms for 9 rows), about 200 ms for the
-1.5B target's 197 linears, and the cache keeps 1024 primitives: a server whose
-steps take every count from 1 to a few hundred rows (decode rows, verifies,
-prompt chunks) keeps rebuilding them. A bigger cache is no way out: each
-primitive held about 0.6 MB here. So every call runs on ``gemm_rows(rows)``
-rows, zero-padded: exact up to ``EXACT_ROWS`` (where a step of a large model
-is memory-bound and a row costs next to nothing), then ``BUCKETS_PER_OCTAVE``
-counts between each power of two and the next (at most 12.5 % extra rows).
-A row's result does not depend on how many rows share the call (below), so
-padding changes no bits.
 """
 
 from __future__ import annotations
@@ -54,34 +41,9 @@ _PACKED = "_specpair_packed"
 _PLAIN_RELEASED = "_specpair_plain_released"
 
 
-EXACT_ROWS = 16
-BUCKETS_PER_OCTAVE = 8
-
-
-def gemm_rows(rows: int) -> int:
-    """The row count a call of ``rows`` rows runs on (see "Row buckets" above).
-
-    One row runs as two: alone it would take oneDNN's matrix-vector path, which
-    rounds differently.
-    """
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
-    if rows <= EXACT_ROWS:
-        return max(rows, 2)
-    step = (1 << ((rows - 1).bit_length() - 1)) // BUCKETS_PER_OCTAVE
-    return -(-rows // step) * step
-
-
-def packed_linear(
-    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``rows`` [M, K] times a weight from ``_reorder_linear_weight``, on ``gemm_rows(M)`` rows."""
-    count = rows.shape[0]
-    padded = gemm_rows(count)
-    if padded != count:
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - count))
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    return out[:count] if padded != count else out
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -89,12 +51,11 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])
-    return packed_linear(rows, packed, self.bias).reshape(*x.shape[:-1], -1)
-
-
-def is_packed(module: torch.nn.Module) -> bool:
-    """True when ``use_onednn_linears`` switched this layer."""
-    return bool(getattr(module, _MARK, False))
+    if rows.shape[0] != 1:
+        return _linear(rows, packed, self.bias).reshape(*x.shape[:-1], -1)
+    # One row alone would take oneDNN's matrix-vector path (other rounding).
+    twice = _linear(rows.expand(2, -1).contiguous(), packed, self.bias)
+    return twice[:1].reshape(*x.shape[:-1], -1)
 
 
 def onednn_available() -> bool:
@@ -106,7 +67,7 @@ def onednn_available() -> bool:
         w = torch.ones((3, 4))
         with torch.inference_mode():
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
-            y = packed_linear(x, packed, None)
+            y = _linear(x, packed, None)
         return bool(torch.allclose(y, torch.full((2, 3), 4.0)))
     except (RuntimeError, AttributeError):
         return False

@@ -34,8 +34,6 @@ import logging
 
 import torch
 
-from specpair_runtime.engine.cpu_kernels import packed_linear
-
 log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
@@ -108,7 +106,7 @@ class Int4Linear(torch.nn.Module):
                 rows, self.packed, self.group_size, self.scales_and_zeros
             )
         else:
-            out = packed_linear(rows, self.gemm_weight, None)
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.gemm_weight, None, "none", [], "")
         out = out.float()
         if self.bias is not None:
             out = out + self.bias

@@ -52,7 +52,6 @@ from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingPara
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
-from specpair_runtime.engine.kernel_warmup import warm_up_row_buckets
 from specpair_runtime.engine.kvcache import RowSpan
 from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.options import EngineOptions
@@ -251,19 +250,6 @@ class SpeculativeEngine:
         # acceptance_floor, batch_size, probe (cost measurement), not_paying.
         self.fallback_counts: dict[str, int] = {}
         self.last_step_depth = 0
-
-    def warm_up_kernels(self) -> int:
-        """Build the CPU GEMM primitives of every step shape this engine can take
-        (``kernel_warmup.py``), so that no step under load pays for one; returns
-        how many layer calls it made (none off the CPU)."""
-        if self.device.type != "cpu":
-            return 0
-        slots = self.options.max_slots
-        verify_rows = slots * (self.knobs.max_depth + 1)  # every row verifying at full depth
-        body_rows = self.budget.ceiling + verify_rows  # plus a prompt chunk
-        head_rows = verify_rows + slots  # sampled positions: verifies and final chunks
-        runners = [self.target] if self.draft is None else [self.target, self.draft]
-        return sum(warm_up_row_buckets(r.model, body_rows, head_rows) for r in runners)
 
     # ---- the Engine protocol -------------------------------------------------
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 from pathlib import Path
 
 from specpair_runtime.config import ConfigError
@@ -93,13 +92,8 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
             state.probe = MemoryProbe(str(pair.target.device))
         state.max_model_length = model_length_limit(pair, config.serving.max_model_length)
         state.tokenizer = pair.target.tokenizer
-        engine = pair.engine()
-        started = time.perf_counter()
-        calls = engine.warm_up_kernels()
-        if calls:
-            log.info("kernel warm-up: %d calls in %.1f s", calls, time.perf_counter() - started)
         scheduler = Scheduler(
-            engine=engine,
+            engine=pair.engine(),
             knobs=config.speculation,
             metrics=state.metrics,
             probe=state.probe,
