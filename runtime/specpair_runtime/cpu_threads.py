@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpair_runtime.cgroups import is_unified, limit_dirs, read_text
+
 CONFIG_FIELD = "serving.cpuThreads"
 
 
@@ -35,13 +37,6 @@ class ThreadPlan:
 
     threads: int | None
     reason: str
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
 
 
 def _quota(quota: str | None, period: str | None) -> float | None:
@@ -55,24 +50,6 @@ def _quota(quota: str | None, period: str | None) -> float | None:
     return cpus if cpus > 0 else None
 
 
-def _own_paths(root: Path) -> dict[str, str]:
-    """The process's cgroup path per hierarchy: "" for v2, else each v1 controller."""
-    text = _read(root / "proc/self/cgroup") or ""
-    paths: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            for controller in parts[1].split(",") if parts[1] else [""]:
-                paths[controller] = parts[2]
-    return paths
-
-
-def _ancestors(mount: Path, path: str) -> list[Path]:
-    """``mount/path`` and every directory above it up to ``mount`` (a limit anywhere applies)."""
-    parts = [part for part in path.split("/") if part]
-    return [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
-
-
 def cgroup_cpu_limit(root: Path = Path("/")) -> float | None:
     """The CPUs the process's cgroup may use per period (a fraction allowed), or None.
 
@@ -81,22 +58,17 @@ def cgroup_cpu_limit(root: Path = Path("/")) -> float | None:
     cgroup namespace the path is ``/``: the mount root is the container's.
     ``root`` lets tests lay out their own files.
     """
-    mount = root / "sys/fs/cgroup"
-    own = _own_paths(root)
     limits: list[float] = []
-    if (mount / "cgroup.controllers").exists():  # v2: one unified hierarchy
-        for directory in _ancestors(mount, own.get("", "/")):
-            parts = (_read(directory / "cpu.max") or "").split()  # "max 100000"
+    if is_unified(root):
+        for directory in limit_dirs(root, "", ()):
+            parts = (read_text(directory / "cpu.max") or "").split()  # "max 100000"
             limit = _quota(parts[0], parts[1]) if len(parts) == 2 else None
             limits += [limit] if limit is not None else []
     else:
-        for name in ("cpu", "cpu,cpuacct"):
-            for directory in _ancestors(mount / name, own.get("cpu", "/")):
-                quota = _read(directory / "cpu.cfs_quota_us")
-                limit = _quota(quota, _read(directory / "cpu.cfs_period_us"))
-                limits += [limit] if limit is not None else []
-            if limits:
-                break
+        for directory in limit_dirs(root, "cpu", ("cpu", "cpu,cpuacct")):
+            quota = read_text(directory / "cpu.cfs_quota_us")
+            limit = _quota(quota, read_text(directory / "cpu.cfs_period_us"))
+            limits += [limit] if limit is not None else []
     return min(limits) if limits else None
 
 

@@ -69,12 +69,17 @@ def test_cpu_reading_counts_anonymous_memory_not_file_pages(tmp_path: Path) -> N
     # cgroup v2 with a limit: the cgroup's anon against it (file pages left out).
     v2 = lay_out(
         tmp_path / "v2",
-        {**PROC, "sys/fs/cgroup/memory.max": "4000000000\n",
+        {**PROC, "sys/fs/cgroup/cgroup.controllers": "cpu memory\n",
+         "sys/fs/cgroup/memory.max": "4000000000\n",
          "sys/fs/cgroup/memory.stat": "anon 1000000000\nfile 8000000000\n"},
     )  # fmt: skip
     assert v2.reading() == pytest.approx(0.25) and v2.limit_bytes() == 4_000_000_000
     # cgroup v2 without a limit ("max") falls back to the process and the system.
-    unlimited = lay_out(tmp_path / "v2max", {**PROC, "sys/fs/cgroup/memory.max": "max\n"})
+    unlimited = lay_out(
+        tmp_path / "v2max",
+        {**PROC, "sys/fs/cgroup/cgroup.controllers": "memory\n",
+         "sys/fs/cgroup/memory.max": "max\n"},
+    )  # fmt: skip
     assert unlimited.reading() == pytest.approx(1 / 16)
     # cgroup v1: total_rss is the anonymous part.
     v1 = lay_out(
@@ -100,3 +105,28 @@ def test_real_probe_ignores_a_memory_mapped_file(tmp_path: Path) -> None:
         rss_file = int(Path("/proc/self/status").read_text().split("RssFile:")[1].split()[0])
         assert rss_file * 1024 >= size  # the pages really are resident
     assert grown < size / 4, grown
+
+
+def test_cpu_reading_follows_the_process_cgroup_and_the_nearest_limit_wins(
+    tmp_path: Path,
+) -> None:
+    # The mount root says "no limit"; the process's cgroup, two levels down, has one.
+    nested = lay_out(
+        tmp_path / "v2nested",
+        {**PROC, "proc/self/cgroup": "0::/slice/pod\n",
+         "sys/fs/cgroup/cgroup.controllers": "memory\n",
+         "sys/fs/cgroup/slice/pod/memory.max": "8000000000\n",
+         "sys/fs/cgroup/slice/pod/memory.stat": "anon 2000000000\n"},
+    )  # fmt: skip
+    assert nested.limit_bytes() == 8_000_000_000 and nested.reading() == pytest.approx(0.25)
+    # A parent shares its limit with siblings: 9 of its 10 GB are in use, so it is
+    # nearer to its limit than the process's own cgroup (2 of 8 GB).
+    shared = lay_out(
+        tmp_path / "v1shared",
+        {**PROC, "proc/self/cgroup": "4:memory:/slice/pod\n2:cpu,cpuacct:/other\n",
+         "sys/fs/cgroup/memory/slice/memory.limit_in_bytes": "10000000000\n",
+         "sys/fs/cgroup/memory/slice/memory.stat": "total_rss 9000000000\n",
+         "sys/fs/cgroup/memory/slice/pod/memory.limit_in_bytes": "8000000000\n",
+         "sys/fs/cgroup/memory/slice/pod/memory.stat": "total_rss 2000000000\n"},
+    )  # fmt: skip
+    assert shared.reading() == pytest.approx(0.9) and shared.limit_bytes() == 10_000_000_000

@@ -2,9 +2,10 @@
 
 CUDA: the caching allocator's reserved bytes over the device's total memory.
 
-CPU: anonymous memory (heap, KV caches, tensors) over the cgroup limit, or
-the process's anonymous memory over the system's memory when no cgroup
-limit is set. File-backed pages (memory-mapped safetensors weights) are left
+CPU: anonymous memory (heap, KV caches, tensors) over the cgroup limit (of
+the process's own cgroup or any above it, whichever is nearest to its
+limit), or the process's anonymous memory over the system's memory when no
+cgroup limit is set. File-backed pages (memory-mapped safetensors weights) are left
 out: the kernel can drop and re-read them, and counting them made a large
 target look like pressure before a single request ran.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from specpair_runtime.cgroups import is_unified, limit_dirs
 
 # cgroup v1 reports "no limit" as a huge page-aligned number.
 _UNLIMITED = 1 << 60
@@ -53,19 +56,26 @@ class CpuMemory:
     root: Path = Path("/")
 
     def _cgroup(self) -> tuple[int, int] | None:
-        """(anonymous bytes, limit) of the cgroup when it sets a limit."""
-        v2 = self.root / "sys/fs/cgroup"
-        limit = _read_int(v2 / "memory.max")
-        if limit is not None:
-            anon = _field(v2 / "memory.stat", "anon")
-            return None if anon is None else (anon, limit)
-        v1 = self.root / "sys/fs/cgroup/memory"
-        limit = _read_int(v1 / "memory.limit_in_bytes")
-        if limit is not None:
+        """(anonymous bytes, limit) of the cgroup nearest to its limit, on the process's
+        cgroup path (``cgroups.py``); None when no cgroup on it sets a limit."""
+        if is_unified(self.root):
+            directories = limit_dirs(self.root, "", ())
+            limit_file, anon_field = "memory.max", "anon"
+        else:
+            directories = limit_dirs(self.root, "memory", ("memory",))
             # v1's total_rss is anonymous memory (and swap cache), not file pages.
-            anon = _field(v1 / "memory.stat", "total_rss")
-            return None if anon is None else (anon, limit)
-        return None
+            limit_file, anon_field = "memory.limit_in_bytes", "total_rss"
+        nearest: tuple[int, int] | None = None
+        for directory in directories:
+            limit = _read_int(directory / limit_file)
+            anon = None if limit is None else _field(directory / "memory.stat", anon_field)
+            if limit is None or anon is None:
+                continue
+            # A cgroup's memory.stat counts the cgroups below it, so an ancestor's
+            # reading includes siblings that share its limit.
+            if nearest is None or anon / limit > nearest[0] / nearest[1]:
+                nearest = (anon, limit)
+        return nearest
 
     def limit_bytes(self) -> int:
         cgroup = self._cgroup()
