@@ -2,9 +2,11 @@
 
 Only verified tokens reach this module. Text is released as soon as it is
 final: the detokenizer holds back an incomplete UTF-8 sequence (a trailing
-U+FFFD), and the stop checker holds back the longest tail of the text that
-could still grow into a stop string. A found stop string is trimmed, with
-everything after it.
+U+FFFD, at most 3 tokens) and releases the text before it, so bytes that
+never form a character (a model's invalid UTF-8) do not stall the stream.
+The stop checker holds back the longest tail of the text that could still
+grow into a stop string. A found stop string is trimmed, with everything
+after it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any, Literal
 # Prompt tokens decoded as context, so that the first output token's leading
 # space (SentencePiece) or merged bytes come out right.
 CONTEXT_TOKENS = 5
+# A UTF-8 character is at most 4 bytes and a token adds at least one, so an
+# incomplete character at the end of the text starts in one of the last 3 tokens.
+MAX_INCOMPLETE_TOKENS = 3
 
 StopReason = Literal["stop", "length"]
 
@@ -38,11 +43,32 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return new_text[len(prefix_text) :]
+        if not new_text.endswith("\ufffd"):
+            if len(new_text) > len(prefix_text):
+                return self._release(len(self.ids), new_text, prefix_text)
+            return ""
+        # The text ends in an incomplete character that the next tokens may
+        # complete, but what comes before it may be final (bytes that no token
+        # completes, from a model that emits invalid UTF-8). A split of the last
+        # tokens whose two sides decode as the whole is a boundary that later
+        # bytes cannot move: release the text before the latest such split.
+        last = len(self.ids) - 1
+        for split in range(last, max(self.read_offset, last - MAX_INCOMPLETE_TOKENS), -1):
+            head = self._decode(self.ids[self.prefix_offset : split])
+            if len(head) <= len(prefix_text):
+                break  # nothing new before this split, nor before any earlier one
+            # The tail must hold bytes (not only skipped special tokens): the
+            # first of them is what decides the head's last character.
+            tail = self._decode(self.ids[split:])
+            if tail and head + tail == new_text:
+                return self._release(split, head, prefix_text)
         return ""
+
+    def _release(self, end: int, text: str, prefix_text: str) -> str:
+        """Text of the tokens up to ``end`` is final: return its new part."""
+        self.prefix_offset = self.read_offset
+        self.read_offset = end
+        return text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever is still held (an incomplete character decodes as U+FFFD)."""
