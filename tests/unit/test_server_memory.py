@@ -39,6 +39,27 @@ def test_probe_reads_a_real_fraction_and_the_hook_overrides_it() -> None:
     assert 0.0 < probe.reading() < 1.0
 
 
+def test_a_reading_is_reused_for_max_age_seconds_and_a_forced_one_at_once() -> None:
+    now = [100.0]
+    probe = MemoryProbe("cpu", max_age=0.05, clock=lambda: now[0])
+    measured: list[float] = []
+
+    def measure() -> float:
+        measured.append(now[0])
+        return 0.1 * len(measured)
+
+    probe._measure = measure  # type: ignore[method-assign]  # count what reaches the files
+    assert probe.reading() == pytest.approx(0.1)
+    now[0] += 0.049
+    assert probe.reading() == pytest.approx(0.1)  # within 50 ms: the files are not read
+    now[0] += 0.002
+    assert probe.reading() == pytest.approx(0.2)  # 51 ms after the last reading
+    probe.force(0.95)
+    assert probe.reading() == 0.95  # the test hook never waits
+    probe.force(None)
+    assert probe.reading() == pytest.approx(0.2) and len(measured) == 2
+
+
 def test_pause_reason_prefers_memory_pressure_then_batch_size() -> None:
     knobs = SpeculationKnobs(disable_above_batch_size=2)
     assert pause_reason(False, 2, knobs) is None
