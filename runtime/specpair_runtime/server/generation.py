@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from specpair_runtime.engine.api import FinishReason, SamplingParams
 from specpair_runtime.server.filters import OutputFilter
+from specpair_runtime.server.mailbox import mailbox_for
 from specpair_runtime.server.scheduler import ErrorCode, Scheduler, Submission, Update
 from specpair_runtime.server.schemas import SpeculationStats, Usage
 
@@ -68,7 +69,7 @@ class Generation:
         self.steps = 0
         self.released = ""
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
+        self._mailbox = mailbox_for(asyncio.get_running_loop())
         self._finished = False
         self._submission = Submission(
             request_id=request_id,
@@ -79,8 +80,8 @@ class Generation:
         )
 
     def _sink(self, update: Update) -> None:
-        # Called on the engine thread.
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+        # Called on the engine thread: one loop wake-up for all of a step's updates.
+        self._mailbox.post(self._queue.put_nowait, update)
 
     def submit(self) -> None:
         """Queue the request now (raises QueueFull), before any response starts."""
