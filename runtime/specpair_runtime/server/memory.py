@@ -83,14 +83,15 @@ class CpuMemory:
                 nearest = (anon, limit)
         return nearest
 
-    def limit_bytes(self) -> int:
-        cgroup = self._cgroup()
-        if cgroup is not None:
-            return cgroup[1]
+    def _system_memory(self) -> int:
         total = _field(self.root / "proc/meminfo", "MemTotal", 1024)
         if total is None:
             raise RuntimeError("MemTotal missing from /proc/meminfo")
         return total
+
+    def limit_bytes(self) -> int:
+        cgroup = self._cgroup()
+        return cgroup[1] if cgroup is not None else self._system_memory()
 
     def reading(self) -> float:
         """Anonymous memory in use as a fraction of the limit."""
@@ -100,7 +101,8 @@ class CpuMemory:
         anon = _field(self.root / "proc/self/status", "RssAnon", 1024)
         if anon is None:
             raise RuntimeError("RssAnon missing from /proc/self/status")
-        return anon / self.limit_bytes()
+        # No cgroup limit: the path was just walked, limit_bytes() would walk it again.
+        return anon / self._system_memory()
 
 
 class MemoryProbe:
