@@ -19,17 +19,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from specpair_runtime.cgroups import is_unified, limit_dirs
+from specpair_runtime.cgroups import is_unified, limit_dirs, read_text
 
 # cgroup v1 reports "no limit" as a huge page-aligned number.
 _UNLIMITED = 1 << 60
 
 
 def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
+    text = read_text(path)
     if not text or text == "max":
         return None
     try:
@@ -41,11 +38,7 @@ def _read_int(path: Path) -> int | None:
 
 def _field(path: Path, name: str, scale: int = 1) -> int | None:
     """``name value`` (memory.stat) or ``Name: value kB`` (/proc files), times ``scale``."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
+    for line in (read_text(path) or "").splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[0].rstrip(":") == name:
             return int(parts[1]) * scale
