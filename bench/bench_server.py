@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import signal
 import socket
 import statistics
@@ -49,6 +50,7 @@ import httpx
 import yaml
 
 from specpair_runtime.config import Quantization, recommended_draft_quantization
+from specpair_runtime.hardware import cpu_info
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -413,13 +415,19 @@ def main() -> int:
         levels: list[LevelResult] = []
         for mode in args.modes.split(","):
             levels += bench_mode(config, mode.strip(), args, workdir)
+    machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(), **cpu_info()}
+    print("machine: " + ", ".join(f"{key}: {value}" for key, value in machine.items()))
     print_table(levels)
     ratios = goal_ratios(levels)
     for mode, ratio in ratios.items():
         verdict = "meets" if ratio <= 1.5 else "misses"
         print(f"{mode}: p99 ITL at {max(args.streams)} streams = {ratio}x single ({verdict} 1.5x)")
     if args.json:
-        payload = {"levels": [lv.summary() for lv in levels], "p99_itl_ratio": ratios}
+        payload = {
+            "machine": machine,
+            "levels": [lv.summary() for lv in levels],
+            "p99_itl_ratio": ratios,
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 

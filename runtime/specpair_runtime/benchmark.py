@@ -33,6 +33,7 @@ from specpair_runtime.engine.oneshot import run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
 from specpair_runtime.engine.prompting import encode_prompt
+from specpair_runtime.hardware import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +170,17 @@ def machine_info(pair: LoadedPair) -> dict[str, object]:
     return {
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        **cpu_info(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
         "device": str(pair.target.device),
+        **(
+            {"device_name": torch.cuda.get_device_name(pair.target.device)}
+            if pair.target.device.type == "cuda"
+            else {}
+        ),
         "target": f"{pair.target.name} ({_dtype_name(pair.target.dtype)})",
         "draft": (
             f"{draft.name} ({_dtype_name(draft.dtype)}, quantization {draft.quantization})"
