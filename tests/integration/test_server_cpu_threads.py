@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from specpair_runtime.hardware import cpu_info
 from tests.support.server_harness import (
     metric_value,
     subprocess_server,
@@ -31,6 +32,12 @@ def test_the_flag_overrides_the_file_and_the_count_is_in_force(
             metrics = client.get("/metrics").text
         assert metric_value(metrics, "specpair_cpu_threads") == 1
         assert "cpu threads: 1 (serving.cpuThreads is 1)" in server.log()
+        # The CPU it runs on, as the benchmarks report it.
+        cpu = cpu_info()
+        bf16 = str(cpu["bf16_gemm"]).lower()
+        labels = {"cpu_model": str(cpu["cpu_model"]), "cpu_isa": str(cpu["cpu_isa"])}
+        assert metric_value(metrics, "specpair_cpu_info", **labels, bf16_gemm=bf16) == 1, metrics
+        assert f"cpu: {cpu['cpu_model']} ({cpu['cpu_isa']}, " in server.log()
 
 
 def test_a_bad_count_is_refused_naming_the_field(pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -84,6 +84,7 @@ def apply_overrides(config: RuntimeConfig, overrides: dict[str, object]) -> Runt
 def cmd_serve(args: argparse.Namespace) -> int:
     # Imported here: `--help` and the other commands must not pay for them.
     from specpair_runtime.cpu_threads import apply_cpu_threads
+    from specpair_runtime.hardware import cpu_info
     from specpair_runtime.server.runner import build_server
     from specpair_runtime.server.startup import start_loader, stop_serving
     from specpair_runtime.server.state import ServerState
@@ -96,6 +97,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads, why = apply_cpu_threads(serving.cpu_threads)
     state.metrics.cpu_threads.set(threads)
     log.info("cpu threads: %d (%s)", threads, why)
+    cpu = cpu_info()
+    state.metrics.cpu.info(
+        {key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in cpu.items()}
+    )
+    log.info(
+        "cpu: %s (%s, %s)",
+        cpu["cpu_model"],
+        cpu["cpu_isa"],
+        "native bf16 GEMM" if cpu["bf16_gemm"] else "no native bf16 GEMM",
+    )
     start_key_watcher(state, args.reload_interval)
     server = build_server(state, serving.host, serving.port)
     start_loader(state, args.reload_interval)

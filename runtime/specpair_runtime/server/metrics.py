@@ -6,7 +6,7 @@ process independent of each other.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specpair_runtime.engine.api import StepEvent
@@ -114,6 +114,15 @@ class ServerMetrics:
             "specpair_cpu_threads",
             "Threads torch's CPU kernels run on (serving.cpuThreads, OMP_NUM_THREADS, or "
             "torch's default capped by the cgroup's CPU quota).",
+            PAIR_LABELS,
+            registry=reg,
+        ).labels(**labels)
+        # Speed depends on the CPU far more than on its core count (docs/benchmarks.md):
+        # pods on nodes of different CPUs are told apart by this series.
+        self.cpu = Info(
+            "specpair_cpu",
+            "The CPU the runtime runs on: model name, the ISA level torch dispatches to, "
+            "and whether oneDNN runs bf16 GEMMs natively (the int4 draft's many-row calls).",
             PAIR_LABELS,
             registry=reg,
         ).labels(**labels)
