@@ -2,7 +2,7 @@
 
 Benchmark figures depend on the CPU far more than on its core count: on two
 vCPUs, a Xeon with AVX-512 and an AMD EPYC with AVX2 only gave target-only
-3.08 and 1.57 tok/s on the same pair, and the int4 draft runs its many-row
+3.08 and 0.96-1.57 tok/s on the same pair, and the int4 draft runs its many-row
 calls as bf16 GEMMs only where oneDNN has native bf16 (see
 ``engine/int4_linears.py``). So every benchmark report names the CPU.
 """
