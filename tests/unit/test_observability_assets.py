@@ -27,6 +27,7 @@ SUFFIXES = {
     "histogram": ("_bucket", "_sum", "_count", "_created"),
     "summary": ("", "_sum", "_count", "_created"),
     "gauge": ("",),
+    "info": ("_info",),
 }
 # The panels the issue asks for, by a metric each must use.
 REQUIRED = {
