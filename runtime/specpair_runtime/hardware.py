@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specpair_runtime.cgroups import read_text
 from specpair_runtime.engine.int4_linears import native_bf16_gemm
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -31,12 +32,8 @@ def cpu_model(cpuinfo: str) -> str | None:
 
 def cpu_info(cpuinfo_path: Path = CPUINFO) -> dict[str, object]:
     """``cpu_model``, ``cpu_isa`` (torch's dispatch level, e.g. AVX2, AVX512) and ``bf16_gemm``."""
-    try:
-        text = cpuinfo_path.read_text(errors="replace")
-    except OSError:
-        text = ""
     return {
-        "cpu_model": cpu_model(text) or platform.processor() or "unknown",
+        "cpu_model": cpu_model(read_text(cpuinfo_path) or "") or platform.processor() or "unknown",
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "bf16_gemm": native_bf16_gemm(),
     }
