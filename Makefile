@@ -14,6 +14,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
+# Test processes for `make test` (pytest-xdist; 0 runs in this process). Each
+# file stays on one worker (--dist loadfile), so module fixtures such as the
+# loaded real pair are built once; each worker starts its own control plane.
+# Two workers overlap the tests that wait (control plane, servers, sleeps)
+# with those that compute: 12 instead of 17 minutes on a 2-core AMD EPYC.
+PYTEST_WORKERS ?= 2
 RUNTIME_IMAGE ?= ghcr.io/specpair/runtime:0.1.0
 RUNTIME_CPU_IMAGE ?= ghcr.io/specpair/runtime:0.1.0-cpu
 OPERATOR_IMAGE ?= ghcr.io/specpair/operator:0.1.0
@@ -49,7 +55,7 @@ run: models ## Demo: stream a coding completion from the real pair, with speedup
 
 .PHONY: test
 test: models control-plane ## Run the whole test suite (starts and stops the control plane)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 .PHONY: test-fast
 test-fast: install ## Unit tests only
