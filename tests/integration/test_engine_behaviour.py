@@ -353,3 +353,36 @@ def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     assert all(depth > 0 for depth in depths)
     _drain(engine, outputs)  # both decode, no chunk: the probe runs now
     assert engine.fallback_counts.get("probe", 0) == 1
+
+
+def test_every_step_reports_its_time_and_what_it_carried(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """``last_step`` feeds the server's ``specpair_step_seconds{kind}``."""
+    tok = pair.tokenizer
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "target"),
+        as_loaded(pair.draft, tok, "draft"),
+        FIXED,
+        options=EngineOptions(max_slots=4, max_length=512, max_step_tokens=MIN_PREFILL_CHUNK + 4),
+    )
+    assert engine.step() == [] and engine.last_step is None  # nothing ran
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=40))
+    kinds: list[str] = []
+    while not outputs.get("a"):
+        _drain(engine, outputs)
+        assert engine.last_step is not None
+        kinds.append(engine.last_step.kind)
+    assert set(kinds) == {"prefill"}  # nobody decodes yet
+    _drain(engine, outputs)
+    assert engine.last_step is not None and engine.last_step.kind == "decode"
+    engine.add_request("long", prompts[0] * 12, GREEDY)
+    while not outputs.get("long"):
+        _drain(engine, outputs)
+        assert engine.last_step is not None and engine.last_step.seconds > 0
+        kinds.append(engine.last_step.kind)
+    assert kinds.count("mixed") >= 4  # "long" entered in chunks beside a's decoding
+    while engine.has_unfinished():
+        _drain(engine, outputs)
+    assert engine.step() == [] and engine.last_step is None

@@ -200,3 +200,9 @@ def test_metrics_carry_pair_labels_on_every_series(client: httpx.Client) -> None
     assert metric_value(text, "specpair_speculation_enabled") == 1
     assert metric_value(text, "specpair_requests_running") == 0
     assert metric_value(text, "specpair_step_token_budget") >= 8
+    # The prompt entered with nobody decoding, then the request decoded alone.
+    assert metric_value(text, "specpair_step_seconds_count", kind="prefill") >= 1
+    assert metric_value(text, "specpair_step_seconds_count", kind="decode") >= 1
+    counts = [line for line in samples if line.startswith("specpair_step_seconds_count{")]
+    for kind in ("decode", "mixed", "prefill"):  # every series exists, at 0 until used
+        assert any(f'kind="{kind}"' in line for line in counts), kind

@@ -12,6 +12,7 @@ from specpair_runtime.engine.budget import (
     MIN_PREFILL_CHUNK,
     STEP_ALLOWANCE,
     StepBudget,
+    StepTiming,
     chunk_cost,
 )
 from specpair_runtime.engine.options import (
@@ -176,3 +177,13 @@ def test_the_budget_counts_target_tokens_so_the_drafts_catch_up_fits_in_the_allo
         budget.record(7, 1, chunk, pure + chunk * (target_ms + draft_ms), draft_catch_up=chunk)
     chunk = budget.tokens - 7 * 2
     assert pure + chunk * (target_ms + draft_ms) <= (1 + STEP_ALLOWANCE) * pure
+
+
+@pytest.mark.parametrize(
+    ("decoding_rows", "prompt_tokens", "kind"),
+    [(3, 0, "decode"), (3, 8, "mixed"), (1, 1, "mixed"), (0, 32, "prefill")],
+)
+def test_a_step_is_named_by_what_it_carried(
+    decoding_rows: int, prompt_tokens: int, kind: str
+) -> None:
+    assert StepTiming.of(decoding_rows, prompt_tokens, 0.5) == StepTiming(kind, 0.5)  # type: ignore[arg-type]

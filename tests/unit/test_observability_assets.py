@@ -135,15 +135,15 @@ def test_broken_promql_is_caught() -> None:
 
 
 def test_dashboard_labels_exist_on_the_series() -> None:
-    """The dashboard groups by pair, pair_version, reason and position: real labels."""
+    """The dashboard groups by pair, pair_version, reason, position and kind: real labels."""
     metrics = ServerMetrics("p", "v")
     metrics.fallback("batch_size")
     text = metrics.render().decode()
     assert 'specpair_fallback_total{pair="p",pair_version="v",reason="batch_size"} 1.0' in text
+    assert 'specpair_step_seconds_count{kind="mixed",pair="p",pair_version="v"} 0.0' in text
     for query in dashboard_queries():
         for group in re.findall(r"by \(([^)]*)\)", query):
             labels = {label.strip() for label in group.split(",")}
             # namespace comes from Prometheus' service discovery, le from histograms.
-            assert labels <= {"namespace", "pair", "pair_version", "reason", "position", "le"}, (
-                query
-            )
+            allowed = {"namespace", "pair", "pair_version", "reason", "position", "kind", "le"}
+            assert labels <= allowed, query

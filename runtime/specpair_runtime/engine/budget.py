@@ -46,6 +46,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from specpair_runtime.engine.depth import TIMING_WINDOW
 
@@ -63,6 +64,26 @@ MIN_PREFILL_CHUNK = 8
 # A flat line ("chunks cost the same whatever their size") is believed only
 # over chunk sizes at least this factor apart.
 FIT_SPREAD = 2.0
+
+
+# What a step carried: decoding rows only; decoding rows beside prompt work (the
+# steps that STEP_ALLOWANCE bounds); prompt work only (nobody waits on it).
+StepKind = Literal["decode", "mixed", "prefill"]
+STEP_KINDS: tuple[StepKind, ...] = ("decode", "mixed", "prefill")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step's draft + target seconds, and what it carried."""
+
+    kind: StepKind
+    seconds: float
+
+    @classmethod
+    def of(cls, decoding_rows: int, prompt_tokens: int, seconds: float) -> StepTiming:
+        """``prompt_tokens``: the target's prompt chunks and the drafts' catch-up together."""
+        kind: StepKind = "prefill" if decoding_rows == 0 else "mixed" if prompt_tokens else "decode"
+        return cls(kind, seconds)
 
 
 @dataclass

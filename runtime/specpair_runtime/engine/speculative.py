@@ -49,7 +49,7 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
-from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
+from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, StepTiming
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
@@ -250,6 +250,8 @@ class SpeculativeEngine:
         # acceptance_floor, batch_size, probe (cost measurement), not_paying.
         self.fallback_counts: dict[str, int] = {}
         self.last_step_depth = 0
+        # The last step's time, for the server's step histogram; None when step() ran nothing.
+        self.last_step: StepTiming | None = None
 
     # ---- the Engine protocol -------------------------------------------------
 
@@ -375,6 +377,7 @@ class SpeculativeEngine:
         return self.draft is not None and self.draft.storage is not None
 
     def step(self) -> list[StepEvent]:
+        self.last_step = None
         with torch.inference_mode():
             self._admit()
             if not self._running:
@@ -605,6 +608,9 @@ class SpeculativeEngine:
             )
         draft_seconds, verify_seconds = timer.split()  # after the step's sync
         self.budget.record(decoding, depth, prompt_tokens, draft_seconds + verify_seconds, catch_up)
+        self.last_step = StepTiming.of(
+            decoding, prompt_tokens + catch_up, draft_seconds + verify_seconds
+        )
         self._advance_prefills(rows)
         self._record(rows, depth, reason, draft_seconds, verify_seconds)
         return events

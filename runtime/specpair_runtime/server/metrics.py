@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specpair_runtime.engine.api import StepEvent
+from specpair_runtime.engine.budget import STEP_KINDS, StepTiming
 
 PAIR_LABELS = ("pair", "pair_version")
 # Sub-millisecond steps on tiny models up to slow CPU steps on real ones.
@@ -104,6 +105,17 @@ class ServerMetrics:
         self.request_latency = histogram(
             "specpair_request_latency_seconds", "Arrival to the last token."
         ).labels(**labels)
+        # Whether prompts entering stretch the running streams' steps: "mixed"
+        # against "decode" is what the step budget bounds (engine/budget.py).
+        self._step_seconds = Histogram(
+            "specpair_step_seconds",
+            "Engine step time (draft + target; device time on CUDA) by what the step "
+            "carried: decode (decoding streams only), mixed (decoding streams beside "
+            "prompt chunks), prefill (prompt chunks only).",
+            (*PAIR_LABELS, "kind"),
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.requests_running = Gauge(
             "specpair_requests_running", "Requests in the running batch.", PAIR_LABELS, registry=reg
         ).labels(**labels)
@@ -159,6 +171,8 @@ class ServerMetrics:
             self._fallbacks.labels(**labels, reason=reason)
         for reason in ERROR_REASONS:
             self._errors.labels(**labels, reason=reason)
+        for kind in STEP_KINDS:
+            self._step_seconds.labels(**labels, kind=kind)
 
     def device_plan(self, mode: str) -> None:
         for each in DEVICE_PLAN_MODES:
@@ -170,6 +184,9 @@ class ServerMetrics:
     def error(self, code: str | None) -> None:
         reason = code if code in ERROR_REASONS else "invalid_request"
         self._errors.labels(**self._labels, reason=reason).inc()
+
+    def step(self, timing: StepTiming) -> None:
+        self._step_seconds.labels(**self._labels, kind=timing.kind).observe(timing.seconds)
 
     def request_by_key(self, name: str) -> None:
         self._by_key.labels(**self._labels, key=name).inc()

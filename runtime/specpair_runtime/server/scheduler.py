@@ -18,6 +18,7 @@ from typing import Literal
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import Engine, SamplingParams, StepEvent
+from specpair_runtime.engine.budget import StepTiming
 from specpair_runtime.server.memory import MemoryProbe, PressureGate
 from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.queueing import QueueFull, RequestQueue
@@ -276,6 +277,9 @@ class Scheduler:
         budget = getattr(self.engine, "step_tokens", None)
         if isinstance(budget, int):
             self.metrics.step_token_budget.set(budget)
+        timing = getattr(self.engine, "last_step", None)
+        if isinstance(timing, StepTiming):
+            self.metrics.step(timing)
         self._track_speculation()
 
     def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:
