@@ -4,7 +4,10 @@ Starts the server as a real subprocess on loopback, once with speculation on
 and once with it off, and drives it with httpx clients. Reports throughput
 (completion tokens/s) and p50/p95/p99 of TTFT and ITL per concurrency level,
 and the goal ratio: p99 ITL at the highest concurrency / p99 ITL of one stream
-(goal <= 1.5).
+(goal <= 1.5). Per level it also reads the server's ``specpair_step_seconds``
+before and after, and prints how many engine steps of each kind ran and their
+mean time: ``mixed`` steps (prompt chunks beside decoding streams) against
+``decode`` steps show what arriving prompts cost the running streams.
 
 ITL is the gap between consecutive SSE chunks of one stream, as a client sees
 it. With speculation one chunk carries every token of an accept step, so the
@@ -48,6 +51,7 @@ from typing import Any, get_args
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from specpair_runtime.config import Quantization, recommended_draft_quantization
 from specpair_runtime.hardware import cpu_info
@@ -79,6 +83,8 @@ class LevelResult:
     streams: int
     wall_seconds: float
     results: list[StreamResult] = field(default_factory=list)
+    # The server's engine steps during the level, by kind (specpair_step_seconds).
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -101,7 +107,39 @@ class LevelResult:
             "itl_per_token_p50_ms": round(
                 percentiles(gaps)["p50"] / tokens_per_chunk if tokens_per_chunk else 0.0, 2
             ),
+            "steps": self.steps,
         }
+
+
+StepTotals = dict[str, tuple[float, float]]  # kind -> (steps, seconds)
+
+
+def step_totals(metrics_text: str) -> StepTotals:
+    """Count and sum of ``specpair_step_seconds`` per kind, from a /metrics page."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "specpair_step_seconds":
+            continue
+        for sample in family.samples:
+            slot = {"_count": 0, "_sum": 1}.get(sample.name.removeprefix(family.name))
+            if slot is not None:
+                totals.setdefault(sample.labels["kind"], [0.0, 0.0])[slot] = sample.value
+    return {kind: (count, seconds) for kind, (count, seconds) in totals.items()}
+
+
+def step_delta(before: StepTotals, after: StepTotals) -> dict[str, dict[str, float]]:
+    """Steps and their mean milliseconds per kind between two scrapes (kinds that ran)."""
+    delta: dict[str, dict[str, float]] = {}
+    for kind, (count, seconds) in after.items():
+        old_count, old_seconds = before.get(kind, (0.0, 0.0))
+        if count > old_count:
+            mean_ms = (seconds - old_seconds) / (count - old_count) * 1000
+            delta[kind] = {"count": count - old_count, "mean_ms": round(mean_ms, 2)}
+    return delta
+
+
+def scrape_steps(base_url: str) -> StepTotals:
+    return step_totals(httpx.get(f"{base_url}/metrics", timeout=30).text)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -302,8 +340,10 @@ def bench_mode(
         wait_ready(base_url, process, args.ready_timeout)
         # Warm-up: first-call overheads must not land in the measurements.
         asyncio.run(run_level(base_url, mode, 1, 1, args.max_tokens))
-        return [
-            asyncio.run(
+        levels = []
+        for n in args.streams:
+            before = scrape_steps(base_url)
+            level = asyncio.run(
                 run_level(
                     base_url,
                     mode,
@@ -313,8 +353,9 @@ def bench_mode(
                     args.long_prompt_words,
                 )
             )
-            for n in args.streams
-        ]
+            level.steps = step_delta(before, scrape_steps(base_url))
+            levels.append(level)
+        return levels
     except Exception:
         print(log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
         raise
@@ -342,6 +383,23 @@ def print_table(levels: list[LevelResult]) -> None:
             f"{s['tokens_per_chunk']:>9}"
         )
     print("(latencies in ms; ITL = gap between SSE chunks of one stream)")
+    for level in levels:
+        print(f"engine steps, {level.mode}, {level.streams} streams: {describe_steps(level.steps)}")
+
+
+def describe_steps(steps: dict[str, dict[str, float]]) -> str:
+    """``decode 412 x 1210 ms, mixed 80 x 1490 ms (1.23x decode), ...``"""
+    parts = []
+    decode = steps.get("decode", {}).get("mean_ms")
+    for kind in ("decode", "mixed", "prefill"):
+        if kind not in steps:
+            continue
+        count, mean_ms = int(steps[kind]["count"]), steps[kind]["mean_ms"]
+        part = f"{kind} {count} x {mean_ms:.1f} ms"
+        if kind == "mixed" and decode:
+            part += f" ({mean_ms / decode:.2f}x decode)"
+        parts.append(part)
+    return ", ".join(parts) or "none reported"
 
 
 def goal_ratios(levels: list[LevelResult]) -> dict[str, float]:
