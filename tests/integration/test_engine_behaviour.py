@@ -324,6 +324,17 @@ def test_requests_longer_than_the_storage_are_refused(pair: TinyPair) -> None:
         engine.add_request("x", [5], SamplingParams(temperature=float("inf")))
 
 
+def _chunking_engine(pair: TinyPair, knobs: SpeculationKnobs) -> SpeculativeEngine:
+    """A budget of a few tokens, so a long prompt enters over several steps."""
+    tok = pair.tokenizer
+    return SpeculativeEngine(
+        as_loaded(pair.target, tok, "target"),
+        as_loaded(pair.draft, tok, "draft"),
+        knobs,
+        options=EngineOptions(max_slots=4, max_length=512, max_step_tokens=MIN_PREFILL_CHUNK + 4),
+    )
+
+
 def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     pair: TinyPair, prompts: list[list[int]]
 ) -> None:
@@ -331,13 +342,7 @@ def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     # target-only probe must wait for such a step: asked for in every step with
     # a chunk, it was never timed, so it was asked for again, and speculation
     # stopped for as long as prompts kept arriving.
-    tok = pair.tokenizer
-    engine = SpeculativeEngine(
-        as_loaded(pair.target, tok, "target"),
-        as_loaded(pair.draft, tok, "draft"),
-        SpeculationKnobs(max_depth=3, acceptance_floor=0.0),
-        options=EngineOptions(max_slots=4, max_length=512, max_step_tokens=MIN_PREFILL_CHUNK + 4),
-    )
+    engine = _chunking_engine(pair, SpeculationKnobs(max_depth=3, acceptance_floor=0.0))
     outputs: dict[str, list[int]] = {}
     engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=200))
     while not outputs.get("a"):
@@ -359,13 +364,7 @@ def test_every_step_reports_its_time_and_what_it_carried(
     pair: TinyPair, prompts: list[list[int]]
 ) -> None:
     """``last_step`` feeds the server's ``specpair_step_seconds{kind}``."""
-    tok = pair.tokenizer
-    engine = SpeculativeEngine(
-        as_loaded(pair.target, tok, "target"),
-        as_loaded(pair.draft, tok, "draft"),
-        FIXED,
-        options=EngineOptions(max_slots=4, max_length=512, max_step_tokens=MIN_PREFILL_CHUNK + 4),
-    )
+    engine = _chunking_engine(pair, FIXED)
     assert engine.step() == [] and engine.last_step is None  # nothing ran
     outputs: dict[str, list[int]] = {}
     engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=40))
