@@ -607,10 +607,9 @@ class SpeculativeEngine:
                 sampling_rows, layout, logits, draft_tokens, draft_probs
             )
         draft_seconds, verify_seconds = timer.split()  # after the step's sync
-        self.budget.record(decoding, depth, prompt_tokens, draft_seconds + verify_seconds, catch_up)
-        self.last_step = StepTiming.of(
-            decoding, prompt_tokens + catch_up, draft_seconds + verify_seconds
-        )
+        seconds = draft_seconds + verify_seconds
+        self.budget.record(decoding, depth, prompt_tokens, seconds, catch_up)
+        self.last_step = StepTiming.of(decoding, prompt_tokens + catch_up, seconds)
         self._advance_prefills(rows)
         self._record(rows, depth, reason, draft_seconds, verify_seconds)
         return events
