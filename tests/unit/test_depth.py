@@ -117,6 +117,65 @@ def test_controller_probes_target_only_then_backs_off() -> None:
     assert controller.cost.backoff == 2 * FIRST_BACKOFF
 
 
+def _losing_controller() -> DepthController:
+    """A controller whose first verdict is in: target-only beats speculation at batch 1."""
+    controller = DepthController(SpeculationKnobs(max_depth=4))
+    controller.cost.record_draft(1, 0.5)
+    controller.cost.record_verify(1, 5, 3.0)
+    controller.cost.record_verify(1, 1, 1.0)
+    for _ in range(MIN_VERDICT_STEPS):
+        controller.record_speculation_step(4, 1)
+    assert controller.plan(1).reason == "not_paying"
+    return controller
+
+
+def _target_only_steps(controller: DepthController, steps: int) -> None:
+    for _ in range(steps):
+        plan = controller.plan(1)
+        assert (plan.cap, plan.reason) == (0, "not_paying")
+        controller.record_target_only_step(plan.reason)
+
+
+def test_back_off_doubles_across_re_probes_that_keep_losing() -> None:
+    controller = _losing_controller()
+    for backoff in (FIRST_BACKOFF, 2 * FIRST_BACKOFF):
+        _target_only_steps(controller, backoff)
+        # The re-probe: a full verdict window of speculation steps, which lose again.
+        for _ in range(MIN_VERDICT_STEPS):
+            assert controller.plan(1).cap >= 1
+            controller.record_speculation_step(4, 1)
+        # The back-off held through the probe (it once fell back to the first one).
+        assert controller.cost.backoff == 2 * backoff
+    _target_only_steps(controller, 4 * FIRST_BACKOFF)
+    assert controller.plan(1).cap >= 1
+
+
+def test_a_re_probe_speculates_only_in_steps_without_prompt_chunks() -> None:
+    controller = _losing_controller()
+    _target_only_steps(controller, FIRST_BACKOFF)
+    # Due, but a step with a prompt chunk does not start the probe ...
+    assert (controller.plan(1, timed=False).cap, controller.cost.reprobing) == (0, False)
+    assert controller.plan(1).cap >= 1  # ... the next pure step does
+    controller.record_speculation_step(4, 1)
+    assert controller.plan(1, timed=False).cap == 0  # nor does the probe go on in one
+    assert controller.plan(1).cap >= 1
+
+
+def test_back_off_starts_over_once_speculation_pays_again() -> None:
+    controller = _losing_controller()
+    _target_only_steps(controller, FIRST_BACKOFF)
+    assert controller.plan(1).cap >= 1
+    assert controller.cost.backoff == 2 * FIRST_BACKOFF
+    controller.cost.record_verify(1, 5, 1.1)  # the draft got good: a cheap verify wins
+    for _ in range(TIMING_WINDOW):
+        controller.cost.record_verify(1, 5, 1.1)
+    for _ in range(MIN_VERDICT_STEPS):
+        controller.record_speculation_step(4, 4)
+        controller.cost.record_acceptance(4, 4)
+    assert controller.plan(1).cap >= 1
+    assert (controller.cost.backoff, controller.cost.reprobing) == (FIRST_BACKOFF, False)
+
+
 def test_controller_respects_batch_threshold_and_fixed_depth() -> None:
     controller = DepthController(SpeculationKnobs(max_depth=4, disable_above_batch_size=2))
     assert (controller.plan(3).cap, controller.plan(3).reason) == (0, "batch_size")

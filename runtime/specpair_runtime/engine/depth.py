@@ -32,7 +32,12 @@ by being cut short, not by wasted verify work):
    (one noisy timing must not switch speculation off) and when target-only
    (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the cap
    is 0 and the engine decodes target-only, re-probing speculation after
-   16 steps, then 32, 64, ... (at most 256) while it keeps losing. While
+   16 steps, then 32, 64, ... (at most 256) while it keeps losing (the
+   back-off starts over only once a full verdict window says speculation
+   pays again). A re-probe speculates only in steps without prompt chunks:
+   on 2 CPU cores a depth-1 step of 8 rows costs about twice a target-only
+   one, and with a prompt chunk and a draft catch-up on top it took 2-3x,
+   the 8-stream p99 inter-token latency. While
    speculating it probes one target-only step when ``t_v(1)`` is unknown
    (after the first speculation step) and every 64 speculation steps, in a
    step without prompt chunks (only those are timed), and
@@ -162,6 +167,7 @@ class CostModel:
     speculation_samples: int = 0  # speculation steps since the last (re)start of speculation
     target_only_streak: int = 0
     backoff: int = FIRST_BACKOFF
+    reprobing: bool = False  # speculating again after a "not paying" verdict, until the next one
     samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
 
     def record_draft(self, batch_size: int, seconds_per_forward: float) -> None:
@@ -262,6 +268,7 @@ class DepthController:
         self.floor = AcceptanceFloor(knobs.acceptance_window)
         self.cost.backoff = FIRST_BACKOFF
         self.cost.target_only_streak = 0
+        self.cost.reprobing = False
 
     def plan(self, batch_size: int, timed: bool = True) -> StepPlan:
         """Depth cap for the next step, before per-request heuristics.
@@ -287,14 +294,25 @@ class DepthController:
             return StepPlan(0, "probe")
         cost_cap = cost.cost_cap(batch_size, min(self.knobs.min_depth, cap), cap)
         if cost_cap == 0:
-            if cost.target_only_streak < cost.backoff:
+            if cost.reprobing:  # the re-probe's verdict: it still loses
+                cost.reprobing = False
+                cost.target_only_streak = 0
+            if cost.target_only_streak < cost.backoff or not timed:
                 return StepPlan(0, "not_paying")
             # Re-probe speculation; back off further if it still loses.
             cost.backoff = min(cost.backoff * 2, MAX_BACKOFF)
             cost.target_only_streak = 0
             cost.speculation_samples = 0
+            cost.reprobing = True
             return StepPlan(max(self.knobs.min_depth, 1), None)
-        cost.backoff = FIRST_BACKOFF
+        if cost.reprobing and not timed:
+            # A re-probe speculates in steps without prompt chunks only: a probe that
+            # speculation is known to lose must not stack on a prompt chunk as well.
+            return StepPlan(0, "not_paying")
+        if cost.speculation_samples >= MIN_VERDICT_STEPS:
+            # Paying after a full verdict window; the back-off starts over next time.
+            cost.reprobing = False
+            cost.backoff = FIRST_BACKOFF
         if cost_cap < cap and self.speculation_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             return StepPlan(cap, None)  # re-measure the deeper positions
         return StepPlan(cost_cap, None)
