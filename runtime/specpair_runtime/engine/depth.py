@@ -36,8 +36,8 @@ by being cut short, not by wasted verify work):
    back-off starts over only once a full verdict window says speculation
    pays again). A re-probe speculates only in steps without prompt chunks:
    on 2 CPU cores a depth-1 step of 8 rows costs about twice a target-only
-   one, and with a prompt chunk and a draft catch-up on top it took 2-3x,
-   the 8-stream p99 inter-token latency. While
+   one, and with a prompt chunk and a draft catch-up on top it took 2-3x
+   (one in-process trace, docs/benchmarks.md). While
    speculating it probes one target-only step when ``t_v(1)`` is unknown
    (after the first speculation step) and every 64 speculation steps, in a
    step without prompt chunks (only those are timed), and
