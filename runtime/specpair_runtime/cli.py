@@ -104,6 +104,13 @@ def top_p(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def model_source(text: str) -> str:
     """A path that exists, or a pvc:// / hf:// source (checked when loading)."""
     if text.startswith(("hf://", "pvc://")):
@@ -171,6 +178,14 @@ def add_speculation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fixed-depth", action="store_true", help="always draft --depth tokens (no adaptive depth)"
     )
+    group.add_argument(
+        "--draft-confidence",
+        type=probability,
+        default=None,
+        metavar="P",
+        help="stop a row's drafts below this draft probability (0 = off; "
+        "default: 0.5 on the CPU with adaptive depth, off on CUDA)",
+    )
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, default_max_new: int) -> None:
@@ -206,6 +221,7 @@ def knobs_from(args: argparse.Namespace) -> SpeculationKnobs:
         max_depth=args.depth,
         min_depth=args.depth if args.fixed_depth else 1,
         adaptive=not args.fixed_depth,
+        draft_confidence=args.draft_confidence,
     )
 
 
@@ -428,7 +444,7 @@ def build_parser() -> OneLineParser:
     )
     bench.add_argument("--plot", type=output_png, metavar="FILE.png", help="tokens/s per depth")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.set_defaults(handler=cmd_bench, depth=4, fixed_depth=False)
+    bench.set_defaults(handler=cmd_bench, depth=4, fixed_depth=False, draft_confidence=None)
 
     add_serve_command(subparsers)
     return parser

@@ -33,6 +33,23 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
     return "int4-weight" if device_type == "cpu" else "none"
 
 
+# The draft-confidence stop (transformers' assisted generation stops drafting at 0.4 by
+# default): on by default on the CPU only. On CUDA the check reads the draft's
+# probabilities back once per draft forward, which breaks the step's single host sync.
+DEFAULT_DRAFT_CONFIDENCE = {"cpu": 0.5}
+
+
+def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> float:
+    """The confidence below which a row stops drafting (0 = never), on a device type.
+
+    Unset, it is the device's default with adaptive depth, and 0 with a fixed
+    depth (a fixed depth drafts exactly ``maxDepth`` tokens).
+    """
+    if knobs.draft_confidence is not None:
+        return knobs.draft_confidence
+    return DEFAULT_DRAFT_CONFIDENCE.get(device_type, 0.0) if knobs.adaptive else 0.0
+
+
 class ContractModel(BaseModel):
     """Base for contract models: camelCase aliases, no unknown fields."""
 
@@ -89,6 +106,16 @@ class SpeculationKnobs(ContractModel):
     max_depth: int = Field(default=4, ge=1, le=16, description="Max tokens drafted per step.")
     min_depth: int = Field(default=1, ge=1, le=16, description="Min depth for adaptive depth.")
     adaptive: bool = Field(default=True, description="Depth follows the measured acceptance.")
+    draft_confidence: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "A request stops drafting in a step once the draft's probability of its "
+            "last drafted token is below this (0 disables). Default: 0.5 on the CPU "
+            "with adaptive depth; off on CUDA and with a fixed depth."
+        ),
+    )
     disable_above_batch_size: int | None = Field(
         default=None, ge=1, description="Pause speculation while the running batch is larger."
     )

@@ -264,6 +264,7 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
         (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
         (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0.0"),
         (["--top-k", "-1"], "argument --top-k: must be a non-negative integer, got -1"),
+        (["--draft-confidence", "1.5"], "argument --draft-confidence: must be in [0, 1], got 1.5"),
         (["--max-new-tokens", "ten"], "argument --max-new-tokens: must be a positive integer"),
         (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
     ],

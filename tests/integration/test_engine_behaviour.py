@@ -10,11 +10,13 @@ from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
 from specpair_runtime.engine.options import EngineOptions
-from specpair_runtime.engine.speculative import SpeculativeEngine, generate
+from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEngine, generate
 
 NEW = 24
 GREEDY = SamplingParams(max_new_tokens=NEW)
 FIXED = SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False)
+# A draft-confidence threshold at which the tiny draft is sometimes sure, sometimes not.
+CUTS_SOME = 0.4
 TEXTS = ["Hello, how can I help", "My order has not", "The refund will", "one two three"]
 
 
@@ -385,3 +387,42 @@ def test_every_step_reports_its_time_and_what_it_carried(
     while engine.has_unfinished():
         _drain(engine, outputs)
     assert engine.step() == [] and engine.last_step is None
+
+
+def _confidence_engine(pair: TinyPair, threshold: float) -> SpeculativeEngine:
+    return _engine(
+        pair, SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False, draft_confidence=threshold)
+    )
+
+
+def _drafts_per_step(results: list[GenerationResult]) -> float:
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    return drafted / sum(r.stats.speculation_steps for r in results)
+
+
+@pytest.mark.parametrize("threshold", [0.0, CUTS_SOME, 1.0])
+def test_the_draft_confidence_stop_keeps_greedy_output(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]], threshold: float
+) -> None:
+    results = generate(_confidence_engine(pair, threshold), prompts, GREEDY)
+    assert [r.token_ids for r in results] == alone
+    per_step = _drafts_per_step(results)
+    if threshold == 0.0:  # never stops: every step drafts the depth (but near the end)
+        assert per_step > 2.5
+    elif threshold == 1.0:  # a tiny model is never sure: every row stops after one token
+        assert per_step == 1.0
+    else:  # rows of one batch stop at different positions
+        assert 1.0 < per_step < 2.5
+
+
+def test_a_seeded_row_stops_drafting_where_it_would_alone(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """The stop reads a row's own draft distribution, so companions change nothing."""
+    seeded = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7)
+    (solo,) = generate(_confidence_engine(pair, CUTS_SOME), [prompts[0]], seeded)
+    others = [SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=i) for i in range(3)]
+    crowd = generate(_confidence_engine(pair, CUTS_SOME), prompts, [seeded, *others])
+    assert crowd[0].token_ids == solo.token_ids
+    assert crowd[0].stats.drafted_tokens == solo.stats.drafted_tokens
+    assert crowd[0].stats.accepted_per_position == solo.stats.accepted_per_position

@@ -23,6 +23,8 @@ from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 
 SAMPLES = 4000
 BATCH = 500
+# A draft-confidence threshold at which the tiny draft is sometimes sure, sometimes not.
+CUTS_SOME = 0.3
 PROMPT = "Thank you for your patience. Is there"
 
 
@@ -53,17 +55,19 @@ def _p_value(samples: list[int], probs: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("params", "independent_draft"),
+    ("params", "independent_draft", "draft_confidence"),
     [
-        (SamplingParams(max_new_tokens=4, temperature=1.0), False),
-        (SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9), False),
-        (SamplingParams(max_new_tokens=4, temperature=1.5, top_k=8), False),
-        (SamplingParams(max_new_tokens=4, temperature=1.0), True),  # strongly disagreeing draft
+        (SamplingParams(max_new_tokens=4, temperature=1.0), False, 0.0),
+        (SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9), False, 0.0),
+        (SamplingParams(max_new_tokens=4, temperature=1.5, top_k=8), False, 0.0),
+        (SamplingParams(max_new_tokens=4, temperature=1.0), True, 0.0),  # disagreeing draft
+        # Rows stop drafting where the draft is unsure of its token (some after one).
+        (SamplingParams(max_new_tokens=4, temperature=1.0), False, CUTS_SOME),
     ],
-    ids=["t1", "t0.7-top_p0.9", "t1.5-top_k8", "disagreeing-draft"],
+    ids=["t1", "t0.7-top_p0.9", "t1.5-top_k8", "disagreeing-draft", "confidence-stop"],
 )
 def test_first_tokens_follow_the_target_distribution(
-    params: SamplingParams, independent_draft: bool
+    params: SamplingParams, independent_draft: bool, draft_confidence: float
 ) -> None:
     pair = build_pair("llama", seed=0, independent_draft=independent_draft)
     tok = pair.tokenizer
@@ -71,13 +75,15 @@ def test_first_tokens_follow_the_target_distribution(
     engine = SpeculativeEngine(
         as_loaded(pair.target, tok, "target"),
         as_loaded(pair.draft, tok, "draft"),
-        SpeculationKnobs(max_depth=2, min_depth=2, adaptive=False),
+        SpeculationKnobs(
+            max_depth=2, min_depth=2, adaptive=False, draft_confidence=draft_confidence
+        ),
         options=EngineOptions(max_slots=BATCH, max_length=64, max_step_tokens=BATCH * 16),
     )
     torch.manual_seed(1234)
     firsts: list[int] = []
     seconds: list[int] = []
-    drafted = accepted = 0
+    drafted = accepted = steps = 0
     for start in range(0, SAMPLES, BATCH):
         batch = [
             SamplingParams(
@@ -94,6 +100,7 @@ def test_first_tokens_follow_the_target_distribution(
             seconds.append(result.token_ids[1])
             drafted += result.stats.drafted_tokens
             accepted += result.stats.accepted_tokens
+            steps += result.stats.speculation_steps
 
     with torch.inference_mode():
         p1 = _processed(pair.target(torch.tensor([prompt])).logits[0, -1:], params)[0]
@@ -106,5 +113,7 @@ def test_first_tokens_follow_the_target_distribution(
     assert 0.0 < rate < 1.0
     if independent_draft:
         assert rate < 0.35
+    if draft_confidence:  # the stop really cut some rows short, not all
+        assert steps < drafted < 2 * steps
     assert _p_value(firsts, p1) > 0.01
     assert _p_value(seconds, p2) > 0.01

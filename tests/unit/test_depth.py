@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
 from specpair_runtime.engine.depth import (
     EXPLORE_EVERY,
     FIRST_BACKOFF,
@@ -238,3 +239,24 @@ def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
     controller.cost.steps_since_target_probe = PROBE_TARGET_EVERY
     assert controller.plan(1, timed=False).cap >= 1
     assert controller.plan(1).reason == "probe"
+
+
+@pytest.mark.parametrize(
+    ("knobs", "device", "expected"),
+    [
+        (SpeculationKnobs(), "cpu", 0.5),
+        (SpeculationKnobs(), "cuda", 0.0),  # one host sync per step stays the rule there
+        (SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False), "cpu", 0.0),
+        (SpeculationKnobs(draft_confidence=0.3, adaptive=False), "cuda", 0.3),
+        (SpeculationKnobs(draft_confidence=0.0), "cpu", 0.0),
+    ],
+)
+def test_the_draft_confidence_stop_defaults_per_device_and_depth_mode(
+    knobs: SpeculationKnobs, device: str, expected: float
+) -> None:
+    assert resolved_draft_confidence(knobs, device) == expected
+
+
+def test_a_bad_draft_confidence_names_the_field() -> None:
+    with pytest.raises(ValidationError, match="draftConfidence"):
+        SpeculationKnobs.model_validate({"draftConfidence": 1.5})

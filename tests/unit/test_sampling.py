@@ -19,6 +19,8 @@ from specpair_runtime.engine.sampling import (
     FlatLayout,
     SamplingTensors,
     StepIndex,
+    draft_confidence,
+    draft_sample,
     finite_rows,
     probabilities,
     process_logits,
@@ -295,3 +297,23 @@ def test_non_finite_rows_are_flagged_and_made_safe() -> None:
     assert torch.equal(safe[0], probs[0])
     tokens = torch.multinomial(safe, 1)  # would raise on the NaN rows
     assert tokens[1:].flatten().tolist() == [0, 0]
+
+
+def test_draft_confidence_is_the_probability_of_the_drafted_token() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    greedy = SamplingTensors.build([0.0, 0.0], [0, 0], [1.0, 1.0], CPU)
+    tokens, probs = draft_sample(logits, greedy, [None, None])
+    assert probs is None
+    expected = torch.softmax(logits, dim=-1).max(dim=-1).values
+    assert torch.allclose(draft_confidence(logits, tokens, probs, greedy), expected)
+
+
+def test_draft_confidence_reads_q_for_sampled_rows_and_softmax_for_greedy_ones() -> None:
+    """A greedy row's q is one-hot; its confidence must not depend on its companions."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
+    mixed = SamplingTensors.build([0.0, 0.5], [0, 0], [1.0, 1.0], CPU)
+    tokens = torch.tensor([1, 2])
+    probs = probabilities(logits, mixed)
+    confidence = draft_confidence(logits, tokens, probs, mixed)
+    assert confidence[0] == pytest.approx(float(torch.softmax(logits[0], dim=-1)[1]))
+    assert confidence[1] == pytest.approx(float(torch.softmax(logits[1] / 0.5, dim=-1)[2]))

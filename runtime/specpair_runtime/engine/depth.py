@@ -48,6 +48,12 @@ by being cut short, not by wasted verify work):
    speculation steps (engine-wide) have drafted tokens and accepted fewer
    than ``floor`` of them, speculation turns off for the whole engine with a
    reason, until the knobs change. A floor of 0 disables this rule.
+
+Within the step's depth, each row may stop sooner: the engine's
+draft-confidence stop (``draftConfidence``, ``speculative.py``) ends a row's
+drafts once the draft is unsure of its token. So acceptance per position is
+counted over the rows that reached it, and a step is timed at the depth its
+rows really drafted.
 """
 
 from __future__ import annotations

@@ -376,3 +376,24 @@ def draft_sample(
     probs = probabilities(logits, params)
     probs = sanitize(probs, finite_rows(probs))
     return sample_rows(probs, generators), probs
+
+
+def draft_confidence(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    probs: torch.Tensor | None,
+    params: SamplingTensors,
+) -> torch.Tensor:
+    """The draft's probability of each drafted token [N], for the confidence stop.
+
+    ``logits`` [N, V] and ``tokens`` [N] as ``draft_sample`` took and gave them;
+    ``probs`` its processed probabilities (None when every row is greedy). A
+    sampled row reads q, the distribution it drew from; a greedy row reads the
+    plain softmax (its q is one-hot), so a greedy row stops where it would
+    alone, whatever it is batched with.
+    """
+    index = tokens[:, None]
+    plain = torch.softmax(logits.float(), dim=-1).gather(1, index)[:, 0]
+    if probs is None:
+        return plain
+    return torch.where(params.greedy, plain, probs.gather(1, index)[:, 0])

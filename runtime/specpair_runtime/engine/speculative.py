@@ -9,7 +9,8 @@ A step, for every running request at once (``plan.py`` decides the shapes):
    (usually 1-2) and gets logits for its first draft token, and every other
    row catches its draft up by a chunk. Forwards 1..k-1 feed one drafted
    token per row that still drafts. A row near ``max_new_tokens`` drafts
-   fewer tokens (it leaves the later forwards), never wasted ones.
+   fewer tokens (it leaves the later forwards), never wasted ones, and so
+   does a row whose draft is unsure of its last token (``draftConfidence``).
 4. Target: ONE flat forward over every row's tokens: ``[last, d1..dn]`` for a
    decoding row, a prompt chunk for a prefilling row (the token budget,
    ``budget.py``, bounds the chunks, so admissions never stall the running
@@ -47,7 +48,7 @@ from typing import Literal
 
 import torch
 
-from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, StepTiming
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
@@ -60,6 +61,7 @@ from specpair_runtime.engine.sampling import (
     FlatLayout,
     SamplingTensors,
     StepIndex,
+    draft_confidence,
     draft_sample,
     finite_rows,
     greedy_verify,
@@ -237,6 +239,7 @@ class SpeculativeEngine:
         self.device = target.device
         self.budget = self.options.step_budget(self.device)
         self.knobs = knobs
+        self.draft_confidence = resolved_draft_confidence(knobs, self.device.type)
         self.refused = speculation_refused
         self.controller = DepthController(knobs)
         self.eos_ids = eos_token_ids(target)
@@ -318,6 +321,7 @@ class SpeculativeEngine:
 
     def update_knobs(self, knobs: SpeculationKnobs) -> None:
         self.knobs = knobs
+        self.draft_confidence = resolved_draft_confidence(knobs, self.device.type)
         self.controller.update_knobs(knobs)
         self._floor_reason = None
 
@@ -385,7 +389,6 @@ class SpeculativeEngine:
             depth, reason = self._plan_depth()
             rows = self._plan_rows(depth)
             decoding = [r for r in rows if r.request.decoding and r.samples]
-            self.last_step_depth = max((r.num_draft for r in rows), default=0)
             if depth == 0 and reason is not None and decoding:
                 self.fallback_counts[reason] = self.fallback_counts.get(reason, 0) + 1
             return self._run(rows, depth, reason)
@@ -505,6 +508,7 @@ class SpeculativeEngine:
         probs: torch.Tensor | None = None
         generators = [r.request.generator for r in drafting]
         params = self._sampling(drafting, [1] * len(drafting))
+        threshold = self.draft_confidence
         # Forward 0: catch-up chunks for every row with draft tokens.
         spans: list[RowSpan] = []
         ids: list[int] = []
@@ -532,9 +536,8 @@ class SpeculativeEngine:
                 step_params = params.select(index, active)
             else:
                 step_params = params
-            drafted, step_probs = draft_sample(
-                _fit_vocab(logits, vocab), step_params, [generators[i] for i in active]
-            )
+            fitted = _fit_vocab(logits, vocab)
+            drafted, step_probs = draft_sample(fitted, step_params, [generators[i] for i in active])
             where = self._ids([layout.draft_start[i] + position for i in active])
             tokens[where] = drafted
             if step_probs is not None:
@@ -542,6 +545,15 @@ class SpeculativeEngine:
                     probs = torch.zeros((total, vocab), dtype=torch.float32, device=self.device)
                 probs[where] = step_probs
             following = [i for i in active if drafting[i].num_draft > position + 1]
+            if following and threshold > 0.0:
+                # The confidence stop: a row the draft is unsure of drafts no further
+                # (its unsure token is still verified), so no forward or verify slot is
+                # spent on tokens that are likely rejected. A host read, on the CPU free.
+                sure = draft_confidence(fitted, drafted, step_probs, step_params) >= threshold
+                for i, keep in zip(active, sure.tolist(), strict=True):
+                    if not keep and drafting[i].num_draft > position + 1:
+                        drafting[i].num_draft = position + 1
+                following = [i for i in following if drafting[i].num_draft > position + 1]
             if not following:
                 break
             keep = [active.index(i) for i in following]
@@ -558,7 +570,28 @@ class SpeculativeEngine:
                 for j, i in enumerate(following)
             ]
             logits = self.draft.forward(spans, next_ids, self._ids(list(range(len(following)))))
-        return tokens, probs
+        return self._drop_unused(layout, [r.num_draft for r in drafting], tokens, probs)
+
+    def _drop_unused(
+        self,
+        layout: FlatLayout,
+        num_draft: list[int],
+        tokens: torch.Tensor,
+        probs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The flat draft tokens [D'] (and probs) of the rows' final ``num_draft``,
+        where the confidence stop cut rows short of ``layout``."""
+        if num_draft == layout.num_draft:
+            return tokens, probs
+        kept = [
+            start + j
+            for start, n in zip(layout.draft_start, num_draft, strict=True)
+            for j in range(n)
+        ]
+        index = self._ids(kept)
+        return tokens.index_select(0, index), (
+            probs.index_select(0, index) if probs is not None else None
+        )
 
     def _ids(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long).to(self.device, non_blocking=True)
@@ -575,6 +608,7 @@ class SpeculativeEngine:
             else (torch.empty(0, dtype=torch.long, device=self.device), None)
         )
         timer.mark()  # the draft is done
+        self.last_step_depth = max((r.num_draft for r in rows), default=0)  # after any cut
         sampling_rows = [r for r in rows if r.samples]
         layout = FlatLayout.of([r.num_draft for r in sampling_rows])
         # The target's flat batch; drafted tokens are placed on the device.
@@ -732,9 +766,10 @@ class SpeculativeEngine:
             return
         if not drafting:
             return
-        if pure and len(drafting) == batch and all(r.num_draft == depth for r in drafting):
-            cost.record_draft(batch, draft_seconds / depth)
-            cost.record_verify(batch, depth + 1, verify_seconds)
+        drafted_depth = drafting[0].num_draft  # below ``depth`` where the confidence stop cut
+        if pure and len(drafting) == batch and all(r.num_draft == drafted_depth for r in drafting):
+            cost.record_draft(batch, draft_seconds / drafted_depth)
+            cost.record_verify(batch, drafted_depth + 1, verify_seconds)
         drafted = accepted = 0
         for row in drafting:
             drafted += row.num_draft
