@@ -426,3 +426,13 @@ def test_a_seeded_row_stops_drafting_where_it_would_alone(
     assert crowd[0].token_ids == solo.token_ids
     assert crowd[0].stats.drafted_tokens == solo.stats.drafted_tokens
     assert crowd[0].stats.accepted_per_position == solo.stats.accepted_per_position
+
+
+def test_the_step_budget_times_steps_at_the_depth_really_drafted(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """A step the confidence stop cut to one draft is a depth-1 step for the budget."""
+    engine = _confidence_engine(pair, 1.0)  # a tiny draft is never sure: one draft per row
+    generate(engine, prompts[:2], GREEDY)
+    depths = {depth for _, depth in engine.budget.pure}
+    assert depths == {1}

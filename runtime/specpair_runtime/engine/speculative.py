@@ -642,7 +642,10 @@ class SpeculativeEngine:
             )
         draft_seconds, verify_seconds = timer.split()  # after the step's sync
         seconds = draft_seconds + verify_seconds
-        self.budget.record(decoding, depth, prompt_tokens, seconds, catch_up)
+        # Keyed by the depth the rows really drafted: a step that the confidence stop
+        # cut short is cheaper than one of its planned depth, and taken as that
+        # depth's pure step it would make every prompt chunk look expensive.
+        self.budget.record(decoding, self.last_step_depth, prompt_tokens, seconds, catch_up)
         self.last_step = StepTiming.of(decoding, prompt_tokens + catch_up, seconds)
         self._advance_prefills(rows)
         self._record(rows, depth, reason, draft_seconds, verify_seconds)
