@@ -166,7 +166,9 @@ def runtime_config(pair: PairRef, spec: SpeculativePairSpec, *, speculate: bool)
 
 def knobs_in_force(spec: SpeculativePairSpec, *, speculate: bool) -> dict[str, object]:
     """The speculation section as the runtime config carries it (for the status)."""
-    return _knobs(spec, speculate=speculate).model_dump(by_alias=True, mode="json")
+    return _knobs(spec, speculate=speculate).model_dump(
+        by_alias=True, mode="json", exclude_none=True
+    )
 
 
 def inline_golden_file(golden: GoldenPromptsSpec) -> str:
