@@ -239,7 +239,6 @@ class SpeculativeEngine:
         self.device = target.device
         self.budget = self.options.step_budget(self.device)
         self.knobs = knobs
-        self.draft_confidence = resolved_draft_confidence(knobs, self.device.type)
         self.refused = speculation_refused
         self.controller = DepthController(knobs)
         self.eos_ids = eos_token_ids(target)
@@ -321,7 +320,6 @@ class SpeculativeEngine:
 
     def update_knobs(self, knobs: SpeculationKnobs) -> None:
         self.knobs = knobs
-        self.draft_confidence = resolved_draft_confidence(knobs, self.device.type)
         self.controller.update_knobs(knobs)
         self._floor_reason = None
 
@@ -333,6 +331,11 @@ class SpeculativeEngine:
                 request.draft_len = 0
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    @property
+    def draft_confidence(self) -> float:
+        """The confidence stop's threshold under the current knobs (0 = off)."""
+        return resolved_draft_confidence(self.knobs, self.device.type)
 
     @property
     def speculation_active(self) -> bool:
