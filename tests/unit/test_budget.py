@@ -141,6 +141,38 @@ def test_a_fixed_cost_beyond_the_allowance_takes_prompts_in_few_steps() -> None:
     assert budget.tokens == 256
 
 
+def test_a_fixed_cost_beyond_the_allowance_keeps_costly_chunks_bounded() -> None:
+    # The 1.5B pair on 2 AMD vCPUs: a prompt token costs 25 ms beside a 340 ms pure
+    # step, and mixed steps read a 150 ms fixed part. Growing to the ceiling took
+    # whole prompts in 2.4-3.2 s steps; the chunk gets half the allowance instead.
+    pure, fixed, per_token, rows = 0.340, 0.150, 0.025, 8
+    budget = StepBudget(32, 256)
+    budget.record(rows, 1, 0, pure)
+    for _ in range(24):
+        chunk = max(budget.tokens - rows * 2, MIN_PREFILL_CHUNK)
+        budget.record(rows, 1, chunk, pure + fixed + chunk * per_token)
+    half = STEP_ALLOWANCE / 2 * pure
+    assert budget.tokens == int(half / per_token) + rows * 2
+    chunk = max(budget.tokens - rows * 2, MIN_PREFILL_CHUNK)
+    assert chunk * per_token <= max(half, MIN_PREFILL_CHUNK * per_token)
+
+
+def test_the_chunk_share_of_the_allowance_falls_as_the_fixed_part_grows() -> None:
+    # No cliff at the allowance: a larger fixed part never buys a larger chunk.
+    pure, per_token = 0.340, 0.002
+    budgets = []
+    for fixed in (0.0, 0.02, 0.04, 0.06, 0.085, 0.2):
+        budget = StepBudget(256, 256)  # at the ceiling: growth does not cap the answer
+        budget.record(4, 1, 0, pure)
+        for chunk in (8, 16, 32, 8, 16, 32):
+            budget.record(4, 1, chunk, pure + fixed + chunk * per_token)
+        budgets.append(budget.tokens)
+    allowance = STEP_ALLOWANCE * pure
+    assert budgets[0] == int(allowance / per_token) + 4 * 2
+    assert budgets[-2:] == [int(allowance / 2 / per_token) + 4 * 2] * 2
+    assert budgets == sorted(budgets, reverse=True)
+
+
 def test_close_chunk_sizes_are_read_per_token_however_the_noise_tilts_the_line() -> None:
     # 8, 9 and 10 tokens whose noisy extras fall with size: a fitted line is flat
     # ("chunks are free") and would double the budget; per token it stays put.
