@@ -319,7 +319,7 @@ class Env:
             status = self.pair().get("status") or {}
             text += "pair conditions:\n" + json.dumps(status.get("conditions"), indent=1) + "\n"
             text += "pair acceptance:\n" + json.dumps(status.get("acceptance")) + "\n"
-        except Exception as error:  # noqa: BLE001 - diagnostics must not hide the failure
+        except Exception as error:  # diagnostics must not hide the failure
             text += f"pair status unreadable: {error}\n"
         return text + f"pods:\n{self.kubelet.logs()}"
 
