@@ -132,7 +132,8 @@ def test_chunk_cost_with_one_size_charges_it_all_per_token() -> None:
 
 
 def test_a_fixed_cost_beyond_the_allowance_takes_prompts_in_few_steps() -> None:
-    # Tiny models: any chunk costs a few milliseconds (in the server), whatever its size.
+    # Chunks that cost a fixed 4 ms and next to nothing per token: half the allowance
+    # buys any size, so prompts enter in as few steps as possible.
     budget = StepBudget(32, 256)
     budget.record(8, 1, 0, 0.005)
     for _ in range(16):

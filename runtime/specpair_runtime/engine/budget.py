@@ -39,7 +39,10 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   ceiling on the 1.5B pair on 2 AMD vCPUs, where a misread fixed part came
   from a step whose draft caught up on 69 tokens beside a 5-token chunk:
   2.4-3.2 s steps beside 0.6 s pure ones, p99 ITL 3.5-4.7x one stream's.)
-  Where chunks are nearly free (the tiny pair), that is still the ceiling.
+  Where a chunk's tokens cost next to nothing, that is still the ceiling; the
+  tiny pair in the server (a 100-token chunk adds a few ms to a 4 ms step) now
+  takes smaller chunks too: its 8-stream p99 ITL fell, its time to first
+  token rose (docs/benchmarks.md, stop 27).
   The budget grows at most ``GROWTH``
   times per step, so a larger chunk is probed before it is trusted, and stays
   within [``MIN_PREFILL_CHUNK``, ``ceiling``].
