@@ -160,7 +160,7 @@ class StepBudget:
         fixed, per_token = chunk_cost(self.extra)
         allowance = STEP_ALLOWANCE * pure
         # A fixed part beyond half the allowance leaves the chunk's tokens half of it
-        # (not the ceiling): every mixed step stays within pure + fixed + allowance / 2.
+        # (not the ceiling): a mixed step aims at pure + max(allowance, fixed + allowance / 2).
         room = max(allowance - fixed, allowance / 2)
         wanted = self.ceiling if per_token <= 0.0 else int(room / per_token) + decode_tokens
         grown = int(self.tokens * GROWTH)
