@@ -105,10 +105,21 @@ def test_a_chunk_compares_with_the_nearest_batch_size_when_its_own_was_never_pur
     # fewer than the pure steps around it.
     budget = StepBudget(32, 256)
     budget.record(8, 1, 0, 0.100)
-    budget.record(2, 1, 0, 0.010)
+    budget.record(2, 3, 0, 0.010)  # another depth: no reference
     budget.record(7, 1, 32, 0.100 + 32 * 0.001)
     tokens, extra = budget.extra[-1]
     assert tokens == 32 and extra == pytest.approx(32 * 0.001)
+
+
+def test_a_chunk_between_two_pure_batch_sizes_compares_with_a_line_between_them() -> None:
+    # The 1.5B pair at 8 streams: 6-row steps with prompt work, pure steps on record
+    # only of 1 row (the single stream's) and of 8 rows.
+    budget = StepBudget(32, 256)
+    budget.record(1, 1, 0, 0.360)
+    budget.record(8, 1, 0, 0.640)
+    budget.record(6, 1, 8, 0.600)
+    [(tokens, extra)] = budget.extra
+    assert tokens == 8 and extra == pytest.approx(0.600 - (0.360 + 0.280 * 5 / 7))
 
 
 def test_bad_sizes_are_refused() -> None:

@@ -16,7 +16,8 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   target's nor a draft catch-up), per (decoding rows, depth): the minimum of
   the last ``TIMING_WINDOW`` samples (a busy machine only ever adds time).
 - ``extra``: a step of the same key (or, when none was pure yet, of the same
-  depth and the nearest number of rows) with ``c`` target prompt tokens took
+  depth: a line between the nearest row counts below and above, else the
+  nearest) with ``c`` target prompt tokens took
   this much longer than ``pure``. ``c`` counts the target's chunks only:
   the draft catches up on the same tokens a step later, from a budget of the
   same size, so a budget token costs one target token plus one draft token,
@@ -133,28 +134,37 @@ class StepBudget:
             if draft_catch_up == 0:
                 self.pure.setdefault(key, deque(maxlen=TIMING_WINDOW)).append(seconds)
             return
-        window = self._pure_window(decoding_rows, depth)
-        if window is None:
-            return  # no pure step of this shape to compare with yet
-        pure = min(window)
+        pure = self._pure_seconds(decoding_rows, depth)
+        if pure is None:
+            return  # no pure step of this depth to compare with yet
         self.extra.append((prompt_tokens, max(seconds - pure, 0.0)))
         self.tokens = self._next(pure, decoding_rows * (depth + 1))
 
-    def _pure_window(self, decoding_rows: int, depth: int) -> deque[float] | None:
-        """Pure steps of this shape, else of the same depth and the nearest number of rows.
+    def _pure_seconds(self, decoding_rows: int, depth: int) -> float | None:
+        """The fastest pure step of this shape; else, at the same depth, a line
+        between the nearest row counts below and above; else the nearest one.
 
-        Under steady arrivals a step that takes a new prompt usually has one
-        decoding row fewer than the pure steps around it, so the exact shape
-        is rare; on a tie the smaller batch wins (it errs towards smaller chunks).
+        At 8 streams with long prompts arriving nearly every step carries prompt
+        work, so the exact shape is rare, and the nearest row count on record
+        can be far: 5- and 6-row steps on the 1.5B pair were compared with the
+        single stream's 1-row steps (docs/benchmarks.md, stop 28). With only
+        one side on record, the smaller batch wins a tie (it errs towards
+        smaller chunks).
         """
         exact = self.pure.get((decoding_rows, depth))
         if exact is not None:
-            return exact
-        near = [rows for rows, d in self.pure if d == depth]
-        if not near:
+            return min(exact)
+        known = sorted(rows for rows, d in self.pure if d == depth)
+        if not known:
             return None
-        rows = min(near, key=lambda r: (abs(r - decoding_rows), r))
-        return self.pure[(rows, depth)]
+        below = [r for r in known if r < decoding_rows]
+        above = [r for r in known if r > decoding_rows]
+        if below and above:
+            low, high = below[-1], above[0]
+            low_s, high_s = min(self.pure[(low, depth)]), min(self.pure[(high, depth)])
+            return low_s + (high_s - low_s) * (decoding_rows - low) / (high - low)
+        rows = min(known, key=lambda r: (abs(r - decoding_rows), r))
+        return min(self.pure[(rows, depth)])
 
     def _next(self, pure: float, decode_tokens: int) -> int:
         fixed, per_token = chunk_cost(self.extra)
