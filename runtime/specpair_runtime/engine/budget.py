@@ -146,10 +146,8 @@ class StepBudget:
 
         At 8 streams with long prompts arriving nearly every step carries prompt
         work, so the exact shape is rare, and the nearest row count on record
-        can be far: 5- and 6-row steps on the 1.5B pair were compared with the
-        single stream's 1-row steps (docs/benchmarks.md, stop 28). With only
-        one side on record, the smaller batch wins a tie (it errs towards
-        smaller chunks).
+        can be far: 7-row steps on the 1.5B pair were compared with the
+        single stream's 1-row steps (docs/benchmarks.md, stop 28).
         """
         exact = self.pure.get((decoding_rows, depth))
         if exact is not None:
@@ -163,8 +161,8 @@ class StepBudget:
             low, high = below[-1], above[0]
             low_s, high_s = min(self.pure[(low, depth)]), min(self.pure[(high, depth)])
             return low_s + (high_s - low_s) * (decoding_rows - low) / (high - low)
-        rows = min(known, key=lambda r: (abs(r - decoding_rows), r))
-        return min(self.pure[(rows, depth)])
+        nearest = below[-1] if below else above[0]  # all on one side: no tie to break
+        return min(self.pure[(nearest, depth)])
 
     def _next(self, pure: float, decode_tokens: int) -> int:
         fixed, per_token = chunk_cost(self.extra)
