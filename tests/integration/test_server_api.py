@@ -182,6 +182,7 @@ def test_metrics_carry_pair_labels_on_every_series(client: httpx.Client) -> None
         "specpair_accepted_tokens_total",
         "specpair_accepted_tokens_per_position_total",
         "specpair_speculation_steps_total",
+        "specpair_held_back_steps_total",
         "specpair_speculation_enabled",
         "specpair_fallback_total",
         "specpair_time_to_first_token_seconds_bucket",

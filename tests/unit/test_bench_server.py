@@ -1,10 +1,20 @@
-"""bench_server's reading of the server's step histogram, from a real ServerMetrics page."""
+"""bench_server's reading of the server's step histogram and held-back steps, from a real
+ServerMetrics page."""
 
 from __future__ import annotations
 
 import pytest
-from bench.bench_server import describe_steps, step_delta, step_totals
+from bench.bench_server import (
+    LevelResult,
+    StreamResult,
+    describe_held_back,
+    describe_steps,
+    held_back_steps,
+    step_delta,
+    step_totals,
+)
 
+from specpair_runtime.engine.api import StepEvent
 from specpair_runtime.engine.budget import StepTiming
 from specpair_runtime.server.metrics import ServerMetrics
 
@@ -28,3 +38,31 @@ def test_step_counts_and_means_per_kind_between_two_scrapes() -> None:
 def test_a_server_without_the_histogram_reports_no_steps() -> None:
     assert step_totals("# an older runtime\nspecpair_requests_running 0\n") == {}
     assert describe_steps(step_delta({}, {})) == "none reported"
+
+
+def test_held_back_steps_count_the_steps_that_streamed_no_text() -> None:
+    """A step that commits a token but releases no text (say, an incomplete UTF-8
+    character) is counted; a step with text, or the one that finishes, is not."""
+    metrics = ServerMetrics("pair", "v1")
+    assert held_back_steps(metrics.render().decode()) == 0
+    metrics.record_event(StepEvent("r1", [7], "", 1, 0))  # held back
+    metrics.record_event(StepEvent("r1", [8, 9], "é!", 1, 1))  # releases it
+    metrics.record_event(StepEvent("r2", [5], "", 0, 0, finished=True, finish_reason="stop"))
+    metrics.record_event(StepEvent("r3", [], "", 0, 0))  # nothing committed
+    assert held_back_steps(metrics.render().decode()) == 1
+    assert held_back_steps("# an older runtime\nspecpair_requests_running 0\n") == 0
+
+
+def test_the_held_back_share_is_of_the_levels_gaps() -> None:
+    level = LevelResult("speculation", 8, 10.0, held_back_steps=3)
+    level.results.append(StreamResult(ttft=0.1, gaps=[0.5] * 200, chunks=201, tokens=300))
+    level.results.append(StreamResult(ttft=0.1, gaps=[0.5] * 100, chunks=101, tokens=150))
+    summary = level.summary()
+    assert (summary["gaps"], summary["held_back_share"]) == (300, 0.01)
+    # The inclusive p99 of 300 gaps is the 3.99th largest: 3 held-back gaps lie above it.
+    assert describe_held_back(level) == (
+        "3 steps, 1.00 % of 300 gaps; the p99 is the 4.0th largest gap "
+        "(the held-back gaps lie above the p99)"
+    )
+    level.held_back_steps = 4
+    assert "the p99 is likely a held-back gap" in describe_held_back(level)

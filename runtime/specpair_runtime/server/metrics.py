@@ -79,6 +79,14 @@ class ServerMetrics:
         self.speculation_steps = counter(
             "specpair_speculation_steps", "Steps in which a request speculated."
         ).labels(**labels)
+        # An inter-token latency tail made of these is the text, not the engine: a
+        # held-back chunk reaches the client a step later (docs/operations.md).
+        self.held_back_steps = counter(
+            "specpair_held_back_steps",
+            "Steps in which a request committed tokens but streamed no text (an "
+            "incomplete UTF-8 character, a possible stop-string prefix, or a special "
+            "token that decodes to nothing): its next chunk spans two steps or more.",
+        ).labels(**labels)
         self._fallbacks = Counter(
             "specpair_fallback",
             "Times speculation was turned off, by reason.",
@@ -193,6 +201,8 @@ class ServerMetrics:
 
     def record_event(self, event: StepEvent) -> None:
         self.generated_tokens.inc(len(event.token_ids))
+        if event.token_ids and not event.text and not event.finished:
+            self.held_back_steps.inc()
         if event.drafted <= 0:
             return
         self.speculation_steps.inc()
