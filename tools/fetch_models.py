@@ -50,7 +50,8 @@ Role = Literal["draft", "target"]
 ROLES: tuple[Role, ...] = ("draft", "target")
 CACHE_ENV = "SPECPAIR_CACHE"
 MARKER_NAME = "specpair-model.json"
-MARKER_FORMAT = 1
+# 2: the generation config names every end-of-generation token, not only the GGUF's EOS.
+MARKER_FORMAT = 2
 CHAT_TEMPLATE = "chat_template.jinja"
 STAGES = 4
 CHUNK = 8 << 20
@@ -675,6 +676,8 @@ def convert_worker(src: ModelSource, layout: CacheLayout, report: Reporter) -> d
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specpair_runtime.engine.end_of_generation import add_end_of_generation
+
     gguf = layout.gguf_path(src)
     final = layout.model_dir(src)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
@@ -690,6 +693,8 @@ def convert_worker(src: ModelSource, layout: CacheLayout, report: Reporter) -> d
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
             )
             model.eval()
+            # The GGUF names one EOS (<|im_end|>); Qwen also ends on <|endoftext|>.
+            end_ids = add_end_of_generation(model, tokenizer)
             timings["load_gguf_s"] = time.monotonic() - began
             memory = {"after_gguf_load": memory_snapshot()}
             ids = probe_ids(tokenizer)
@@ -716,6 +721,11 @@ def convert_worker(src: ModelSource, layout: CacheLayout, report: Reporter) -> d
             tokenizer_problem = compare_tokenizers(tokenizer, reloaded_tok)
             if tokenizer_problem:
                 raise FetchError(f"{src.role}: saved tokenizer differs: {tokenizer_problem}")
+            saved_eos = reloaded.generation_config.eos_token_id
+            if (saved_eos if isinstance(saved_eos, list) else [saved_eos]) != end_ids:
+                raise FetchError(
+                    f"{src.role}: saved generation config ends on {saved_eos}, expected {end_ids}"
+                )
             with torch.inference_mode():
                 logits = reloaded(input_ids=probe_ids(reloaded_tok)).logits[0]
             memory["after_reload_forward"] = memory_snapshot()
@@ -739,6 +749,7 @@ def convert_worker(src: ModelSource, layout: CacheLayout, report: Reporter) -> d
             "transformers_version": transformers.__version__,
             "torch_version": torch.__version__,
             "dtype": "float32",
+            "eos_token_ids": end_ids,
             "files": file_sizes(tmp),
             "verified": {
                 "tensors_compared": compared,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tools.tiny_models import build_pair, save_model, save_pair
+from tools import fetch_models as fm
+from tools.tiny_models import build_llama, build_pair, build_tokenizer, save_model, save_pair
 from transformers import AutoModelForCausalLM
 
 from specpair_runtime.config import ModelSpec, Quantization, SpeculationKnobs
@@ -24,6 +27,7 @@ from specpair_runtime.engine.loading import (
 )
 from specpair_runtime.engine.oneshot import run_request
 from specpair_runtime.engine.pair import check_pair, load_pair
+from specpair_runtime.engine.speculative import eos_token_ids
 from tests.support.tiny_gguf import write_llama_gguf
 
 PROMPT = "Hello, how can I help you today?"
@@ -225,6 +229,32 @@ def test_gguf_file_loads_the_same_model(tmp_path: Path) -> None:
     )
     report = check_pair(by_file, draft)
     assert report.aligned, report.problems
+
+
+def test_a_gguf_model_ends_on_every_end_of_generation_token(tmp_path: Path) -> None:
+    """A GGUF file names one EOS (Qwen's: ``<|im_end|>``). Loaded from the file, or
+    converted by ``make models``, the model also ends on the special tokens that
+    llama.cpp ends on (Qwen's ``<|endoftext|>``); an HF directory keeps its own."""
+    tokenizer = build_tokenizer(bos="<|endoftext|>", eos="<|im_end|>")
+    model = build_llama(tokenizer, seed=5)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ends = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|end|>")}
+    layout = fm.CacheLayout(tmp_path / "cache")
+    src = replace(fm.SOURCES["target"], name="tiny-qwen-like")
+    layout.gguf_dir.mkdir(parents=True)
+    gguf_path = write_llama_gguf(model, tokenizer, layout.gguf_path(src))
+
+    from_file = load_model(ModelSpec(source=str(gguf_path)), "target", "cpu")
+    assert eos_token_ids(from_file) == ends
+
+    marker = fm.convert_worker(src, layout, fm.Reporter(io.StringIO()))
+    assert marker["eos_token_ids"][0] == im_end  # the GGUF's own EOS stays first
+    assert set(marker["eos_token_ids"]) == ends
+    converted = load_model(ModelSpec(source=str(layout.model_dir(src))), "target", "cpu")
+    assert eos_token_ids(converted) == ends
+
+    hf_dir = save_model(model, tokenizer, tmp_path / "hf")
+    assert eos_token_ids(load_model(ModelSpec(source=str(hf_dir)), "target", "cpu")) == {im_end}
 
 
 def test_gguf_file_name_errors(tmp_path: Path) -> None:

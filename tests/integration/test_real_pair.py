@@ -17,6 +17,7 @@ from specpair_runtime.engine.oneshot import Completion, run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.engine.prompting import encode_prompt
+from specpair_runtime.engine.speculative import eos_token_ids
 from tests.support.real_models import require_real_pair
 
 SUPPORT = "My order has not arrived yet. What should I do?"
@@ -97,3 +98,19 @@ def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity(
             outputs.setdefault(event.request_id, []).extend(event.token_ids)
         steps += 1
     assert [outputs[str(i)] for i in range(3)] == [target_only[t].token_ids for t in BATCH]
+
+
+@pytest.mark.slow
+def test_a_raw_completion_ends_where_the_model_writes_endoftext(pair: LoadedPair) -> None:
+    """The pair's GGUF files name one EOS, ``<|im_end|>``; upstream Qwen also ends on
+    ``<|endoftext|>``, and so must the converted pair: this raw (no chat template)
+    completion writes one sentence, then ``<|endoftext|>``, and used to run on into
+    a new document."""
+    tokenizer = pair.target.tokenizer
+    ends = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    assert ends <= eos_token_ids(pair.target)
+    prompt = encode_prompt(tokenizer, "Hello, how can I help you", chat=False)
+    done = run_request(pair.engine(), prompt, SamplingParams(max_new_tokens=64))
+    assert done.finish_reason == "stop"
+    assert done.token_ids[-1] in ends and len(done.token_ids) < 64
+    assert "<|endoftext|>" not in done.text

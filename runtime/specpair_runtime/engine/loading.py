@@ -4,7 +4,9 @@ Sources: a directory in Hugging Face layout, a ``.gguf`` file (or a directory
 plus ``gguf_file``), ``pvc://claim/path`` (a mounted volume) and
 ``hf://org/name[@rev]`` (downloaded with ``huggingface_hub``; the tests never
 take that path, they run offline). Local sources are always loaded with
-``local_files_only`` so that loading never touches a network.
+``local_files_only`` so that loading never touches a network. A model read
+from GGUF also ends on the special tokens that llama.cpp ends on
+(``end_of_generation.py``): the file names only one EOS.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from specpair_runtime.config import Dtype, ModelSpec, Quantization
+from specpair_runtime.engine.end_of_generation import add_end_of_generation
 from specpair_runtime.engine.int4_linears import quantize_int4_weights
 
 log = logging.getLogger(__name__)
@@ -242,6 +245,8 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
     started = time.perf_counter()
     tokenizer = _load_tokenizer(resolved, spec.source)
     model = _load_weights(resolved, dtype, torch_device, spec.source)
+    if resolved.gguf_file is not None:  # a GGUF names one EOS; the model may end on others
+        add_end_of_generation(model, tokenizer)
     model.eval()
     model.requires_grad_(False)
     model.to(torch_device)
