@@ -9,11 +9,10 @@ before and after, and prints how many engine steps of each kind ran and their
 mean time: ``mixed`` steps (prompt chunks beside decoding streams) against
 ``decode`` steps show what arriving prompts cost the running streams. It also
 reads ``specpair_held_back_steps``: steps in which a stream committed tokens
-but released no text (an incomplete UTF-8 character, a special token that
-decodes to nothing), so that its next chunk
-gap spans two steps. When they are more than about 1 % of a level's gaps,
-that level's p99 ITL is such a two-step gap, whatever the engine's step
-times.
+but released no text (an incomplete UTF-8 character, say), so that its next
+chunk gap spans two steps. When they are more than about 1 % of a level's
+gaps, that level's p99 ITL is such a two-step gap, whatever the engine's
+step times.
 
 ITL is the gap between consecutive SSE chunks of one stream, as a client sees
 it. With speculation one chunk carries every token of an accept step, so the
