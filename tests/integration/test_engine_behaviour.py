@@ -389,6 +389,37 @@ def test_every_step_reports_its_time_and_what_it_carried(
     assert engine.step() == [] and engine.last_step is None
 
 
+def test_a_step_in_which_a_lagging_draft_catches_up_is_not_a_decode_step(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """The draft reads the tokens of target-only steps before it drafts again.
+
+    That step costs more than a decode step, so neither the budget's pure
+    reference nor ``specpair_step_seconds{kind="decode"}`` may take it.
+    """
+    engine = _chunking_engine(pair, FIXED)
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=40))
+    _drain(engine, outputs)
+    _drain(engine, outputs)
+    kinds = [_last_kind(engine)]
+    engine.update_knobs(SpeculationKnobs(enabled=False))
+    for _ in range(6):  # target-only steps: the draft falls 6 tokens behind
+        _drain(engine, outputs)
+    engine.update_knobs(FIXED)
+    events = _drain(engine, outputs)  # within the budget: it reads them and drafts
+    assert events and events[0].drafted > 0
+    kinds.append(_last_kind(engine))
+    _drain(engine, outputs)
+    kinds.append(_last_kind(engine))
+    assert kinds == ["decode", "mixed", "decode"]
+
+
+def _last_kind(engine: SpeculativeEngine) -> str:
+    assert engine.last_step is not None
+    return engine.last_step.kind
+
+
 def _confidence_engine(pair: TinyPair, threshold: float) -> SpeculativeEngine:
     return _engine(
         pair, SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False, draft_confidence=threshold)

@@ -10,10 +10,12 @@ import torch
 from specpair_runtime.engine.budget import (
     GROWTH,
     MIN_PREFILL_CHUNK,
+    STEADY_DRAFT_FEED,
     STEP_ALLOWANCE,
     StepBudget,
     StepTiming,
     chunk_cost,
+    draft_catch_up,
 )
 from specpair_runtime.engine.options import (
     DEFAULT_STEP_TOKENS_CPU,
@@ -221,6 +223,32 @@ def test_the_budget_counts_target_tokens_so_the_drafts_catch_up_fits_in_the_allo
         budget.record(7, 1, chunk, pure + chunk * (target_ms + draft_ms), draft_catch_up=chunk)
     chunk = budget.tokens - 7 * 2
     assert pure + chunk * (target_ms + draft_ms) <= (1 + STEP_ALLOWANCE) * pure
+
+
+@pytest.mark.parametrize(
+    ("fed", "drafts", "catch_up"),
+    [
+        (0, False, 0),  # a prefill row whose draft is caught up
+        (12, False, 12),  # a row that only catches up
+        (1, True, 0),  # a draft was rejected: the draft reads the recovered token
+        (STEADY_DRAFT_FEED, True, 0),  # all accepted: its last draft and the bonus
+        (17, True, 15),  # a prefill just ended: the draft reads its last chunk first
+    ],
+)
+def test_a_drafting_rows_feed_beyond_a_steady_decode_is_catch_up(
+    fed: int, drafts: bool, catch_up: int
+) -> None:
+    assert draft_catch_up(fed, drafts) == catch_up
+
+
+def test_a_step_whose_drafting_row_catches_up_cannot_set_the_pure_reference() -> None:
+    # The engine passes the hidden catch-up; the 0.69 s step must not become the
+    # 8-row reference that every chunk is then measured against (stop 30).
+    budget = StepBudget(16, 256)
+    budget.record(8, 1, 0, 0.690, draft_catch_up=draft_catch_up(9, True))
+    assert (8, 1) not in budget.pure
+    budget.record(8, 1, 0, 0.500, draft_catch_up=draft_catch_up(2, True))
+    assert list(budget.pure[(8, 1)]) == [0.500]
 
 
 @pytest.mark.parametrize(

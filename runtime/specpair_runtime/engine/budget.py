@@ -25,7 +25,9 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   diluted the per-token cost by the cheap draft tokens, and the draft's
   catch-up then came on top of the budget: steps with chunks took 1.4-1.9x a
   pure step on the 1.5B pair instead of 1.25x.) A step with only a draft
-  catch-up is neither pure nor a sample.
+  catch-up is neither pure nor a sample. A catch-up counts wherever it rides,
+  also in a decoding row that reads the tokens its draft missed before it
+  drafts (``draft_catch_up``), as the row whose prefill just ended does.
   The last ``SAMPLES`` of them, as the median per distinct ``c`` (one noisy
   step must not swing it), give a line
   ``extra(c) = fixed + per_token * c`` (with one distinct ``c``, or a flat
@@ -75,6 +77,10 @@ MIN_PREFILL_CHUNK = 8
 # A flat line ("chunks cost the same whatever their size") is believed only
 # over chunk sizes at least this factor apart.
 FIT_SPREAD = 2.0
+# A drafting row feeds its draft at most this many tokens in a steady decode: the
+# bonus token and, when every draft was accepted, the last draft (sampled, never
+# read). More is a catch-up on tokens that the draft missed: prompt work.
+STEADY_DRAFT_FEED = 2
 
 
 # What a step carried: decoding rows only; decoding rows beside prompt work (the
@@ -173,6 +179,20 @@ class StepBudget:
         wanted = self.ceiling if per_token <= 0.0 else int(room / per_token) + decode_tokens
         grown = int(self.tokens * GROWTH)
         return max(MIN_PREFILL_CHUNK, min(wanted, grown, self.ceiling))
+
+
+def draft_catch_up(fed: int, drafts: bool) -> int:
+    """How many of the ``fed`` tokens that one row's draft reads this step are catch-up.
+
+    A row that does not draft only catches up. A drafting row's feed beyond
+    ``STEADY_DRAFT_FEED`` is catch-up too: the row whose prefill just ended
+    reads its last chunk (15-21 tokens on the 1.5B pair at 8 streams), and a
+    row after steps that did not draft reads what they committed. Taken for a
+    pure decode step, such a step set the 8-row reference 30 % high (0.69 s
+    against 0.49-0.53 s), and every chunk then looked cheap: budgets of 26-35
+    tokens and mixed steps of 1.7-2.2x a pure one (docs/benchmarks.md, stop 30).
+    """
+    return fed if not drafts else max(fed - STEADY_DRAFT_FEED, 0)
 
 
 def chunk_cost(samples: deque[tuple[int, float]]) -> tuple[float, float]:

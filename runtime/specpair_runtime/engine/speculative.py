@@ -50,7 +50,7 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
-from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, StepTiming
+from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, StepTiming, draft_catch_up
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
@@ -603,7 +603,7 @@ class SpeculativeEngine:
         decoding = sum(1 for r in rows if r.request.decoding)
         # Prompt work of the step: the target's chunks and the drafts' catch-up chunks.
         prompt_tokens = sum(len(r.target_tokens) for r in rows if not r.request.decoding)
-        catch_up = sum(len(r.draft_tokens) for r in rows if not r.draft_samples)
+        catch_up = sum(draft_catch_up(len(r.draft_tokens), r.draft_samples) for r in rows)
         timer = _StepTimer(self.device)
         draft_tokens, draft_probs = (
             self._draft(rows, depth)
@@ -762,7 +762,13 @@ class SpeculativeEngine:
     ) -> None:
         """Feed the depth controller: timings of pure decode steps, acceptance, the floor."""
         drafting = [r for r in rows if r.num_draft > 0]
-        pure = all(r.samples and len(r.target_tokens) == 1 for r in rows)
+        # No prompt work for either model: a draft's catch-up would be timed as drafting.
+        pure = all(
+            r.samples
+            and len(r.target_tokens) == 1
+            and draft_catch_up(len(r.draft_tokens), r.draft_samples) == 0
+            for r in rows
+        )
         cost = self.controller.cost
         batch = len(rows)
         if depth == 0:
