@@ -415,6 +415,46 @@ def test_a_step_in_which_a_lagging_draft_catches_up_is_not_a_decode_step(
     assert kinds == ["decode", "mixed", "decode"]
 
 
+def _events_of(engine: SpeculativeEngine, outputs: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each request's ``drafted`` count per event, until every request finished."""
+    drafted: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for event in _drain(engine, outputs):
+            drafted.setdefault(event.request_id, []).append(event.drafted)
+    return drafted
+
+
+def test_the_draft_keeps_pace_with_a_prefill_beside_busy_decodes(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """Four decoding rows use up a 12-token budget; the prompt still enters at the
+    floor of 8 tokens a step, and the draft must read as many, so that the new
+    row drafts from its first decode step on (it fell 2 tokens a step behind)."""
+    engine = _chunking_engine(pair, FIXED)
+    outputs: dict[str, list[int]] = {}
+    for i in range(4):
+        engine.add_request(f"busy{i}", prompts[i % len(prompts)], SamplingParams(max_new_tokens=60))
+    while not all(outputs.get(f"busy{i}") for i in range(4)):
+        _drain(engine, outputs)
+    engine.add_request("long", prompts[0] * 12, SamplingParams(max_new_tokens=8))
+    drafted = _events_of(engine, outputs)["long"]
+    assert drafted[0] == 0  # the first token comes from the prompt's last chunk
+    assert drafted[1] > 0, drafted
+
+
+def test_with_no_row_decoding_the_draft_prefills_beside_the_target(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """Nobody waits on such a step: both models take the ceiling, and every row
+    drafts from its first decode step on."""
+    engine = _chunking_engine(pair, FIXED)
+    outputs: dict[str, list[int]] = {}
+    for i in range(3):
+        engine.add_request(f"r{i}", prompts[i] * 4, SamplingParams(max_new_tokens=8))
+    drafted = _events_of(engine, outputs)
+    assert all(counts[0] == 0 and counts[1] > 0 for counts in drafted.values()), drafted
+
+
 def _last_kind(engine: SpeculativeEngine) -> str:
     assert engine.last_step is not None
     return engine.last_step.kind

@@ -440,8 +440,13 @@ class SpeculativeEngine:
         Decoding rows always run (the streams never wait); prefill chunks fill
         what the budget leaves, first come first served, at least
         ``MIN_PREFILL_CHUNK`` tokens (the budget's ceiling when no row
-        decodes). The draft gets its own budget of the same size for
-        catch-up chunks.
+        decodes). The draft gets its own budget of the same size, floor and
+        ceiling for catch-up chunks, so it keeps pace with the target's
+        prefill: a row whose draft lags decodes without drafting until it has
+        caught up. (With the draft at the plain budget while the target took
+        the ceiling, and without the floor, a third to a half of the decoding
+        rows at 8 streams on the 1.5B pair did not draft, lagging by a median
+        of 122 tokens: docs/benchmarks.md, stop 30.)
         """
         budget = self.step_tokens
         draft_budget = self.step_tokens
@@ -462,7 +467,7 @@ class SpeculativeEngine:
             budget -= 1 + row.num_draft
             rows.append(row)
         if not rows:  # nothing decodes: nobody waits on this step
-            budget = self.budget.ceiling
+            budget = draft_budget = self.budget.ceiling
         first_prefill = True
         for request in self._running:
             if request.decoding:
@@ -477,13 +482,15 @@ class SpeculativeEngine:
             start = request.target_len
             rows.append(_Row(request, request.tokens(start, start + size), size == pending))
         if depth > 0:  # drafts of rows that do not draft now catch up in chunks
+            first_catch_up = True
             for row in rows:
                 request = row.request
                 if row.draft_samples:
                     continue
                 lag = request.sequence_len - 1 - request.draft_len
-                size = min(lag, max(draft_budget, 0))
+                size = min(lag, max(draft_budget, MIN_PREFILL_CHUNK if first_catch_up else 0))
                 if size > 0:
+                    first_catch_up = False
                     row.draft_tokens = request.tokens(request.draft_len, request.draft_len + size)
                     draft_budget -= size
         rows.sort(key=lambda r: r.request.slot)
