@@ -189,8 +189,8 @@ def draft_catch_up(fed: int, drafts: bool) -> int:
     reads its last chunk (15-21 tokens on the 1.5B pair at 8 streams), and a
     row after steps that did not draft reads what they committed. Taken for a
     pure decode step, such a step set the 8-row reference 30 % high (0.69 s
-    against 0.49-0.53 s), and every chunk then looked cheap: budgets of 26-35
-    tokens and mixed steps of 1.7-2.2x a pure one (docs/benchmarks.md, stop 30).
+    against 0.49-0.53 s), and every chunk then looked cheap: budgets of 22-35
+    tokens and steps with prompt work of 0.80-1.11 s (docs/benchmarks.md, stop 30).
     """
     return fed if not drafts else max(fed - STEADY_DRAFT_FEED, 0)
 
