@@ -15,6 +15,7 @@ from specpair_runtime.engine.budget import (
     StepBudget,
     StepTiming,
     chunk_cost,
+    chunk_size,
     draft_catch_up,
 )
 from specpair_runtime.engine.options import (
@@ -223,6 +224,21 @@ def test_the_budget_counts_target_tokens_so_the_drafts_catch_up_fits_in_the_allo
         budget.record(7, 1, chunk, pure + chunk * (target_ms + draft_ms), draft_catch_up=chunk)
     chunk = budget.tokens - 7 * 2
     assert pure + chunk * (target_ms + draft_ms) <= (1 + STEP_ALLOWANCE) * pure
+
+
+@pytest.mark.parametrize(
+    ("pending", "left", "first", "size"),
+    [
+        (100, 20, True, 20),  # what the budget leaves
+        (100, -4, True, MIN_PREFILL_CHUNK),  # the decodes used it up: the floor
+        (100, -4, False, 0),  # only the first chunk of a step gets the floor
+        (5, 20, True, 5),  # never more than is pending
+    ],
+)
+def test_the_first_chunk_of_a_step_gets_at_least_the_floor(
+    pending: int, left: int, first: bool, size: int
+) -> None:
+    assert chunk_size(pending, left, first) == size
 
 
 @pytest.mark.parametrize(

@@ -181,6 +181,16 @@ class StepBudget:
         return max(MIN_PREFILL_CHUNK, min(wanted, grown, self.ceiling))
 
 
+def chunk_size(pending: int, left: int, first: bool) -> int:
+    """Tokens of the next prompt chunk (the target's, or a draft's catch-up).
+
+    ``left``: what the step's budget leaves. The first chunk of a step gets at
+    least ``MIN_PREFILL_CHUNK`` even when the decodes used the budget up, so a
+    waiting prompt is never starved; later chunks only what is left.
+    """
+    return min(pending, max(left, MIN_PREFILL_CHUNK if first else 0))
+
+
 def draft_catch_up(fed: int, drafts: bool) -> int:
     """How many of the ``fed`` tokens that one row's draft reads this step are catch-up.
 

@@ -50,7 +50,7 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
-from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, StepTiming, draft_catch_up
+from specpair_runtime.engine.budget import StepTiming, chunk_size, draft_catch_up
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
@@ -473,8 +473,7 @@ class SpeculativeEngine:
             if request.decoding:
                 continue
             pending = request.sequence_len - request.target_len
-            room = max(budget, MIN_PREFILL_CHUNK if first_prefill else 0)
-            size = min(pending, room)
+            size = chunk_size(pending, budget, first_prefill)
             if size <= 0:
                 continue
             first_prefill = False
@@ -488,7 +487,7 @@ class SpeculativeEngine:
                 if row.draft_samples:
                     continue
                 lag = request.sequence_len - 1 - request.draft_len
-                size = min(lag, max(draft_budget, MIN_PREFILL_CHUNK if first_catch_up else 0))
+                size = chunk_size(lag, draft_budget, first_catch_up)
                 if size > 0:
                     first_catch_up = False
                     row.draft_tokens = request.tokens(request.draft_len, request.draft_len + size)
@@ -658,7 +657,7 @@ class SpeculativeEngine:
         self.budget.record(decoding, self.last_step_depth, prompt_tokens, seconds, catch_up)
         self.last_step = StepTiming.of(decoding, prompt_tokens + catch_up, seconds)
         self._advance_prefills(rows)
-        self._record(rows, depth, reason, draft_seconds, verify_seconds)
+        self._record(rows, depth, reason, draft_seconds, verify_seconds, catch_up)
         return events
 
     def _sample_and_commit(
@@ -766,16 +765,15 @@ class SpeculativeEngine:
         reason: str | None,
         draft_seconds: float,
         verify_seconds: float,
+        catch_up: int,
     ) -> None:
-        """Feed the depth controller: timings of pure decode steps, acceptance, the floor."""
+        """Feed the depth controller: timings of pure decode steps, acceptance, the floor.
+
+        ``catch_up``: the step's draft catch-up tokens (``draft_catch_up``).
+        """
         drafting = [r for r in rows if r.num_draft > 0]
         # No prompt work for either model: a draft's catch-up would be timed as drafting.
-        pure = all(
-            r.samples
-            and len(r.target_tokens) == 1
-            and draft_catch_up(len(r.draft_tokens), r.draft_samples) == 0
-            for r in rows
-        )
+        pure = catch_up == 0 and all(r.samples and len(r.target_tokens) == 1 for r in rows)
         cost = self.controller.cost
         batch = len(rows)
         if depth == 0:
