@@ -44,7 +44,7 @@ def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(inputs: int, outpu
     x = torch.randn(9, inputs)
     with torch.inference_mode():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
-        for rows in (2, 5, 9):
+        for rows in (2, 3, 4, 5, 9):
             together = layer(x[:rows])
             assert torch.equal(together, alone[:rows]), f"{rows} rows differ from one row each"
 
@@ -74,3 +74,30 @@ def test_restoring_the_default_kernels_undoes_a_switch_that_kept_the_weights() -
     assert all("forward" not in vars(m) for m in model.modules())
     assert restore_default_linears(model) == 0
     assert use_onednn_linears(model, keep_plain=True) == 2  # and it can be switched again
+
+
+def test_a_call_with_few_rows_runs_as_min_gemm_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fewer rows are padded (one row alone rounds differently; 2-3 rows ran
+    # slower than 4 on AMD EPYC), and the padding never reaches the result.
+    from specpair_runtime.engine import cpu_kernels
+
+    seen: list[int] = []
+    real = cpu_kernels._linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(cpu_kernels, "_linear", recording)
+    layer = torch.nn.Linear(8, 3)
+    expected_layer = torch.nn.Linear(8, 3)
+    expected_layer.load_state_dict(layer.state_dict())
+    use_onednn_linears(layer)
+    seen.clear()  # the availability probe's own call
+    x = torch.randn(1, 6, 8)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 6):
+            got = layer(x[:, :rows])
+            assert got.shape == (1, rows, 3)
+            assert torch.allclose(got, expected_layer(x[:, :rows]), atol=1e-5)
+    assert seen == [cpu_kernels.MIN_GEMM_ROWS] * 4 + [6]
