@@ -455,6 +455,26 @@ def test_with_no_row_decoding_the_draft_prefills_beside_the_target(
     assert all(counts[0] == 0 and counts[1] > 0 for counts in drafted.values()), drafted
 
 
+def test_a_measured_budget_probes_its_first_mixed_step_with_the_floor(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """Beside decoding rows the first prompt chunk is the floor, not the start
+    budget's guess; later chunks follow what that step measured."""
+    engine = _engine(pair)  # no maxStepTokens: the budget is measured
+    outputs: dict[str, list[int]] = {}
+    for i in range(2):
+        engine.add_request(f"busy{i}", prompts[i], SamplingParams(max_new_tokens=60))
+    while not all(outputs.get(f"busy{i}") for i in range(2)):
+        _drain(engine, outputs)
+    _drain(engine, outputs)  # a pure decode step: the reference
+    start = engine.step_tokens
+    engine.add_request("long", prompts[0] * 12, GREEDY)
+    _drain(engine, outputs)
+    assert _last_kind(engine) == "mixed"
+    assert [tokens for tokens, _ in engine.budget.extra] == [MIN_PREFILL_CHUNK]
+    assert start - 2 * (1 + FIXED.max_depth) > MIN_PREFILL_CHUNK  # the guess left more
+
+
 def _last_kind(engine: SpeculativeEngine) -> str:
     assert engine.last_step is not None
     return engine.last_step.kind

@@ -241,6 +241,21 @@ def test_the_first_chunk_of_a_step_gets_at_least_the_floor(
     assert chunk_size(pending, left, first) == size
 
 
+def test_an_unmeasured_budget_leaves_prompt_work_only_the_floor() -> None:
+    # The start value is a guess: 24 prompt tokens beside 3-4 decoding rows made
+    # the first mixed step of an 8-stream level 1.5x its neighbours (stop 31).
+    budget = StepBudget(32, 256)
+    left = 32 - 4 * 2  # four rows decoding at depth 1
+    assert budget.chunk_room(left) == 0
+    assert chunk_size(100, budget.chunk_room(left), True) == MIN_PREFILL_CHUNK
+    assert budget.chunk_room(-3) == -3
+    budget.record(4, 1, 0, 0.500)
+    assert budget.chunk_room(left) == 0  # a pure step alone measures no chunk
+    budget.record(4, 1, MIN_PREFILL_CHUNK, 0.540)
+    assert budget.chunk_room(left) == left
+    assert StepBudget(32, 256, fixed=True).chunk_room(left) == left
+
+
 @pytest.mark.parametrize(
     ("fed", "drafts", "catch_up"),
     [

@@ -440,7 +440,8 @@ class SpeculativeEngine:
         Decoding rows always run (the streams never wait); prefill chunks fill
         what the budget leaves, first come first served, at least
         ``MIN_PREFILL_CHUNK`` tokens (the budget's ceiling when no row
-        decodes). The draft gets its own budget of the same size, floor and
+        decodes; only the floor until the budget has timed a step with prompt
+        work, ``StepBudget.chunk_room``). The draft gets its own budget of the same size, floor and
         ceiling for catch-up chunks, so it keeps pace with the target's
         prefill: a row whose draft lags decodes without drafting until it has
         caught up. (With the draft at the plain budget while the target took
@@ -468,6 +469,9 @@ class SpeculativeEngine:
             rows.append(row)
         if not rows:  # nothing decodes: nobody waits on this step
             budget = draft_budget = self.budget.ceiling
+        else:  # an unmeasured budget probes with the floor first
+            budget = self.budget.chunk_room(budget)
+            draft_budget = self.budget.chunk_room(draft_budget)
         first_prefill = True
         for request in self._running:
             if request.decoding:
