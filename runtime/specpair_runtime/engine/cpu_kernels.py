@@ -23,8 +23,9 @@ EPYC vCPUs (AVX-512, stop 31), milliseconds for 1 / 2 / 3 / 4 / 5 / 8 rows:
 - 1536 -> 8960:  3.24 / 3.08 / 2.81 / 2.49 / 2.51 / 3.21
 - 8960 -> 1536:  3.08 / 2.93 / 2.71 / 2.47 / 2.36 / 3.10
 
-So padding to two rows, as this module did before, left the target-only
-step of the 1.5B target about 20 % slower than a 4-row verify.
+Run as two rows, as this module did before, a 1-token forward of the 1.5B
+target took 346-410 ms there, more than its 4-token verify (320-333 ms);
+padded to four, 305-311 ms (``bench_forward.py``, docs/benchmarks.md).
 
 ``use_onednn_linears`` switches every fp32 ``nn.Linear`` of a model in place.
 The packed copy is opaque, so the plain weight stays where the model needs it:
