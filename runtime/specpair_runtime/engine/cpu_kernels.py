@@ -16,8 +16,8 @@ depend on how many rows share the call. oneDNN's GEMM gives every row the
 same bits for 2 rows or 33, but one row alone takes a matrix-vector path that
 rounds differently (seen on 1536 x 8960 and 8960 x 1536, not on every shape).
 So every call takes the GEMM path with at least ``MIN_GEMM_ROWS`` rows: a
-call with fewer is padded with zero rows, which costs nothing on a
-prepacked weight and is faster where oneDNN blocks rows by four. On 2 AMD
+call with fewer is padded with zero rows. That costs nothing on a
+prepacked weight, and on some CPUs 2 or 3 rows run slower than 4. On 2 AMD
 EPYC vCPUs (AVX-512, stop 31), milliseconds for 1 / 2 / 3 / 4 / 5 / 8 rows:
 
 - 1536 -> 8960:  3.24 / 3.08 / 2.81 / 2.49 / 2.51 / 3.21
