@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specpair_runtime.engine import cpu_kernels
 from specpair_runtime.engine.cpu_kernels import (
     onednn_available,
     restore_default_linears,
@@ -79,8 +80,6 @@ def test_restoring_the_default_kernels_undoes_a_switch_that_kept_the_weights() -
 def test_a_call_with_few_rows_runs_as_min_gemm_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # Fewer rows are padded (one row alone rounds differently; 2-3 rows ran
     # slower than 4 on AMD EPYC), and the padding never reaches the result.
-    from specpair_runtime.engine import cpu_kernels
-
     seen: list[int] = []
     real = cpu_kernels._linear
 

@@ -57,9 +57,9 @@ floor (``chunk_room``): the start value is a guess, not a measurement. On
 the 1.5B pair its 23-27 prompt tokens beside 1-4 decoding rows made the
 first mixed step of an 8-stream level take 0.87-1.45 s, against 0.5-0.9 s
 for the ten steps after it: up to three of the level's ten longest gaps
-(docs/benchmarks.md, stops 30 and 31). A
-key never seen plain leaves the budget unmeasured, and such steps then keep
-to the floor: slower prompts, never a stall for the running streams.
+(docs/benchmarks.md, stops 30 and 31). A key never seen plain leaves the
+budget unmeasured, and such steps then keep to the floor: slower prompts,
+never a stall for the running streams.
 """
 
 from __future__ import annotations

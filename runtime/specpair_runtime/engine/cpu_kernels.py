@@ -69,7 +69,7 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return _linear(rows, packed, self.bias).reshape(*x.shape[:-1], -1)
     # One row alone would take oneDNN's matrix-vector path (other rounding), and
     # a few rows run slower than four on some CPUs: pad with zero rows.
-    padded = torch.cat([rows, rows.new_zeros(MIN_GEMM_ROWS - count, rows.shape[1])])
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, MIN_GEMM_ROWS - count))
     return _linear(padded, packed, self.bias)[:count].reshape(*x.shape[:-1], -1)
 
 

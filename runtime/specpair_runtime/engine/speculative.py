@@ -444,10 +444,10 @@ class SpeculativeEngine:
         work, ``StepBudget.chunk_room``). The draft gets its own budget of the
         same size, floor and ceiling for catch-up chunks, so it keeps pace with
         the target's prefill: a row whose draft lags decodes without drafting
-        until it has caught up. (With the draft at the plain budget while the target took
-        the ceiling, and without the floor, 18-50 % of the decoding rows at 8
-        streams on the 1.5B pair did not draft, their drafts lagging by a
-        median of 49-126 tokens: docs/benchmarks.md, stop 30.)
+        until it has caught up. (With the draft at the plain budget while the
+        target took the ceiling, and without the floor, 18-50 % of the decoding
+        rows at 8 streams on the 1.5B pair did not draft, their drafts lagging
+        by a median of 49-126 tokens: docs/benchmarks.md, stop 30.)
         """
         budget = self.step_tokens
         draft_budget = self.step_tokens
