@@ -19,6 +19,24 @@ engine's own runners (``bench_forward.measure``), and replays:
 - ``confidence t <=c``: HF assisted generation's rule (transformers'
   ``assistant_confidence_threshold``, 0.4 by default): draft until a token
   whose draft probability is below ``t``, at most ``c`` tokens;
+- ``confidence 0.5 <=4``: the same rule at the engine's CPU default
+  (``draftConfidence``, ``config.DEFAULT_DRAFT_CONFIDENCE``);
+- ``product t <=c``: draft until the product of the draft's probabilities
+  over the pass (its own estimate that every draft so far is accepted) falls
+  below ``t``, at most ``c`` tokens;
+- ``schedule``: transformers' ``num_assistant_tokens_schedule="heuristic"``:
+  start at 5 tokens, 2 more after a pass that accepted every draft, 1 fewer
+  after one that did not (at least 1, here at most 8), with the 0.4
+  confidence rule inside each pass, as transformers applies both;
+- ``k=d + 2nd at a``: a fixed depth ``d`` plus, at each of the first ``a``
+  draft positions, the draft's second most likely token as a one-token
+  branch (a tree of one chain and ``a`` leaves, as SpecInfer and EAGLE verify
+  trees). The branches cost no draft forward (the draft's forward at that
+  position gives both tokens), only ``a`` more query tokens in the verify.
+  A pass whose first miss is at a position with a branch, where the target's
+  token is the draft's second choice, commits one token more than the miss
+  alone would: the branch token is the one the miss would have recovered,
+  and the target's logits at the branch give the token after it;
 - ``oracle <=c``: draft exactly up to the first miss, at most ``c`` tokens: a
   rule that knows the future never wastes a draft and never stops before the
   target would, so it is the estimate of what any rule with that cap could
@@ -71,6 +89,9 @@ Policy = Callable[[Sequence[DraftPosition], int], int]
 HF_CONFIDENCE = 0.4  # transformers' default assistant_confidence_threshold
 DEFAULT_CAPS = (4, 8)
 DEFAULT_FIXED = (1, 2, 3, 4, 5, 6, 8)
+DEFAULT_PRODUCTS = (0.1, 0.3)
+DEFAULT_BRANCHES = ((3, 1), (4, 1), (4, 2))  # (depth, positions with a second-choice branch)
+SCHEDULE_START, SCHEDULE_CAP = 5, 8  # transformers' heuristic schedule starts at 5
 
 
 @dataclass(frozen=True)
@@ -118,6 +139,61 @@ def confidence_stop(threshold: float, cap: int) -> Policy:
     return policy
 
 
+def product_stop(threshold: float, cap: int) -> Policy:
+    """Draft until the product of the draft's probabilities falls below ``threshold`` (that
+    token kept), at most ``cap``: the draft's own estimate that the whole pass is accepted."""
+
+    def policy(trace: Sequence[DraftPosition], start: int) -> int:
+        drafts, product = 0, 1.0
+        while drafts < cap:
+            drafts += 1
+            at = start + drafts - 1
+            if at >= len(trace):
+                break
+            product *= trace[at].confidence
+            if product < threshold:
+                break
+        return drafts
+
+    return policy
+
+
+class HeuristicSchedule:
+    """transformers' heuristic schedule: the depth grows by 2 after a pass that accepted
+    every draft and shrinks by 1 after one that did not; the confidence rule runs inside.
+
+    The depth carries over from one trace to the next, as transformers keeps it
+    on the assistant's generation config between ``generate`` calls.
+    """
+
+    def __init__(self, start: int, cap: int, threshold: float) -> None:
+        self.depth = start
+        self.cap = cap
+        self.threshold = threshold
+
+    def __call__(self, trace: Sequence[DraftPosition], start: int) -> int:
+        return confidence_stop(self.threshold, self.depth)(trace, start)
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        """The outcome of the pass this policy planned (``replay`` calls it)."""
+        if accepted == drafts:
+            self.depth = min(self.depth + 2, self.cap)
+        else:
+            self.depth = max(self.depth - 1, 1)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """A fixed ``depth`` plus the draft's second choice at its first ``positions`` positions."""
+
+    depth: int
+    positions: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.positions <= self.depth:
+            raise ValueError(f"branches need 1 <= positions <= depth, got {self}")
+
+
 def oracle(cap: int) -> Policy:
     """Draft every token the target accepts and the first one it rejects, at most ``cap``."""
 
@@ -137,23 +213,67 @@ def accepted_run(trace: Sequence[DraftPosition], start: int, drafts: int) -> int
 
 
 def replay(trace: Sequence[DraftPosition], policy: Policy | None, costs: Costs) -> Replay:
-    """Decode the whole trace; ``policy=None`` is target-only (one token per target forward)."""
+    """Decode the whole trace; ``policy=None`` is target-only (one token per target forward).
+
+    A policy with an ``observe(drafts, accepted)`` method hears each pass's outcome.
+    """
+    observe = getattr(policy, "observe", None)
     position = passes = 0
     seconds = 0.0
     while position < len(trace):
         drafts = 0 if policy is None else policy(trace, position)
         if policy is not None and drafts < 1:
             raise ValueError(f"a policy must draft at least 1 token, got {drafts}")
-        position += accepted_run(trace, position, drafts) + 1
+        run = accepted_run(trace, position, drafts)
+        if observe is not None:
+            observe(drafts, run)
+        position += run + 1
         seconds += costs.pass_seconds(drafts)
         passes += 1
     return Replay(len(trace), passes, seconds)
 
 
-def policies(fixed_depths: Sequence[int], caps: Sequence[int]) -> dict[str, Policy]:
-    chosen: dict[str, Policy] = {f"k={d}": fixed(d) for d in fixed_depths}
+def replay_branches(trace: Sequence[DraftPosition], branches: Branches, costs: Costs) -> Replay:
+    """Decode the whole trace with a fixed depth and second-choice branches (module doc)."""
+    depth, width = branches.depth, branches.positions
+    position = passes = 0
+    seconds = 0.0
+    while position < len(trace):
+        run = accepted_run(trace, position, depth)
+        miss = position + run
+        branch_hit = run < width and miss < len(trace) and trace[miss].second_agrees
+        position += run + (2 if branch_hit else 1)
+        seconds += depth * costs.draft + costs.verify[depth + 1 + width]
+        passes += 1
+    return Replay(len(trace), passes, seconds)
+
+
+def policies(
+    fixed_depths: Sequence[int],
+    caps: Sequence[int],
+    products: Sequence[float] = (),
+    branches: Sequence[tuple[int, int]] = (),
+    *,
+    schedule: bool = False,
+) -> dict[str, Policy | Branches]:
+    """The rules to replay, by name (module doc)."""
+    from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE
+
+    chosen: dict[str, Policy | Branches] = {f"k={d}": fixed(d) for d in fixed_depths}
     for cap in caps:
         chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
+    engine = DEFAULT_DRAFT_CONFIDENCE["cpu"]
+    if engine != HF_CONFIDENCE and 4 in caps:
+        chosen[f"confidence {engine} <=4"] = confidence_stop(engine, 4)
+    for threshold in products:
+        for cap in caps:
+            chosen[f"product {threshold} <={cap}"] = product_stop(threshold, cap)
+    if schedule:
+        chosen[f"schedule <={SCHEDULE_CAP}"] = HeuristicSchedule(
+            SCHEDULE_START, SCHEDULE_CAP, HF_CONFIDENCE
+        )
+    for depth, width in branches:
+        chosen[f"k={depth} + 2nd at {width}"] = Branches(depth, width)
     for cap in caps:
         chosen[f"oracle <={cap}"] = oracle(cap)
     return chosen
@@ -168,12 +288,19 @@ class PolicyRow:
 
 
 def replay_table(
-    traces: Sequence[Sequence[DraftPosition]], chosen: Mapping[str, Policy], costs: Costs
+    traces: Sequence[Sequence[DraftPosition]],
+    chosen: Mapping[str, Policy | Branches],
+    costs: Costs,
 ) -> list[PolicyRow]:
     """Every policy over every trace (summed), against target-only on the same costs."""
 
-    def total(policy: Policy | None) -> Replay:
-        runs = [replay(trace, policy, costs) for trace in traces]
+    def total(policy: Policy | Branches | None) -> Replay:
+        runs = [
+            replay_branches(trace, policy, costs)
+            if isinstance(policy, Branches)
+            else replay(trace, policy, costs)
+            for trace in traces
+        ]
         return Replay(
             sum(r.tokens for r in runs), sum(r.passes for r in runs), sum(r.seconds for r in runs)
         )
@@ -232,7 +359,7 @@ def main(argv: list[str]) -> int:
     # The engine switches the target to its kernels, so its greedy tokens are the engine's.
     pair, engine = pair_and_engine(dirs, "cpu", quantization, max_length=256)
     assert pair.draft is not None and engine.draft is not None
-    max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS)
+    max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS, *(d + w for d, w in DEFAULT_BRANCHES))
     prompts = [encode_prompt(pair.target.tokenizer, text, chat=True) for text in DEFAULT_PROMPTS]
     with torch.inference_mode():
         continuations = [target_greedy(pair.target.model, p, args.max_new_tokens) for p in prompts]
@@ -241,13 +368,19 @@ def main(argv: list[str]) -> int:
         ]
     costs = measured_costs(engine.target, engine.draft, max_drafts, args.rounds)
     agreement = [trace_agreement(t) for t in traces]
+    misses = [p for t in traces for p in t if not p.agrees]
+    second = sum(p.second_agrees for p in misses) / len(misses) if misses else 0.0
     print(
         f"draft {quantization}; {len(traces)} prompts, {[len(t) for t in traces]} tokens; "
         f"agreement {' / '.join(f'{a:.3f}' for a in agreement)}; "
+        f"second choice right at {second:.0%} of the misses; "
         f"draft forward {costs.draft * 1e3:.1f} ms; target forward of n tokens (ms): "
         + ", ".join(f"{n}: {s * 1e3:.0f}" for n, s in costs.verify.items())
     )
-    print(format_table(replay_table(traces, policies(DEFAULT_FIXED, DEFAULT_CAPS), costs)))
+    chosen = policies(
+        DEFAULT_FIXED, DEFAULT_CAPS, DEFAULT_PRODUCTS, DEFAULT_BRANCHES, schedule=True
+    )
+    print(format_table(replay_table(traces, chosen, costs)))
     return 0
 
 

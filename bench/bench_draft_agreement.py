@@ -63,6 +63,7 @@ class DraftPosition:
 
     agrees: bool  # its argmax is the target's greedy token
     confidence: float  # the probability it gives its argmax
+    second_agrees: bool = False  # its second most likely token is the target's token
 
 
 def draft_trace(draft: Any, prompt: list[int], continuation: list[int]) -> list[DraftPosition]:
@@ -74,8 +75,9 @@ def draft_trace(draft: Any, prompt: list[int], continuation: list[int]) -> list[
     positions = []
     for token in continuation:
         probs = out.logits[0, -1].float().softmax(-1)
-        confidence, best = probs.max(-1)
-        positions.append(DraftPosition(int(best) == token, float(confidence)))
+        top = probs.topk(2)
+        best, second = (int(i) for i in top.indices)
+        positions.append(DraftPosition(best == token, float(top.values[0]), second == token))
         out = draft(torch.tensor([[token]]), cache=cache, use_cache=True)
     return positions
 
