@@ -80,6 +80,7 @@ class StreamResult:
     gaps: list[float]
     chunks: int
     tokens: int
+    long_prompt: bool = False  # sent with ``--long-prompt-words`` of context
 
 
 @dataclass
@@ -108,6 +109,9 @@ class LevelResult:
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.wall_seconds, 1),
             "ttft_ms": percentiles(ttft),
+            # Short prompts wait behind long ones only as the engine orders its prefills.
+            "ttft_short_ms": percentiles([r.ttft for r in self.results if not r.long_prompt]),
+            "ttft_long_ms": percentiles([r.ttft for r in self.results if r.long_prompt]),
             "itl_ms": percentiles(gaps),
             "gaps": len(gaps),
             "held_back_steps": self.held_back_steps,
@@ -270,11 +274,15 @@ def long_prompt(prompt: str, words: int) -> str:
     return f"{context}\n\n{prompt}"
 
 
-def prompt_for(index: int, round_: int, long_words: int) -> str:
+def is_long(index: int, round_: int, long_words: int) -> bool:
     """The odd prompts are long (when ``long_words`` > 0): every other request of a
     stream, and at any time about half of the streams."""
+    return bool(long_words) and (index + round_) % len(PROMPTS) % 2 == 1
+
+
+def prompt_for(index: int, round_: int, long_words: int) -> str:
     number = (index + round_) % len(PROMPTS)
-    if long_words and number % 2 == 1:
+    if is_long(index, round_, long_words):
         return long_prompt(PROMPTS[number], long_words)
     return PROMPTS[number]
 
@@ -303,7 +311,9 @@ async def run_level(
             out = []
             for round_ in range(rounds):
                 prompt = prompt_for(index, round_, long_words)
-                out.append(await one_stream(client, prompt, max_tokens, index))
+                result = await one_stream(client, prompt, max_tokens, index)
+                result.long_prompt = is_long(index, round_, long_words)
+                out.append(result)
             return out
 
         start = time.perf_counter()
@@ -408,6 +418,20 @@ def print_table(levels: list[LevelResult]) -> None:
         print(f"engine steps, {level.mode}, {level.streams} streams: {describe_steps(level.steps)}")
     for level in levels:
         print(f"held-back text, {level.mode}, {level.streams} streams: {describe_held_back(level)}")
+    for level in levels:
+        if any(r.long_prompt for r in level.results):
+            print(f"ttft, {level.mode}, {level.streams} streams: {describe_ttft(level)}")
+
+
+def describe_ttft(level: LevelResult) -> str:
+    """``short prompts p50 2100 / p95 4800 ms (16), long prompts p50 ... (16)``"""
+    parts = []
+    for label, flag in (("short", False), ("long", True)):
+        ttft = [r.ttft for r in level.results if r.long_prompt is flag]
+        if ttft:
+            t = percentiles(ttft)
+            parts.append(f"{label} prompts p50 {t['p50']} / p95 {t['p95']} ms ({len(ttft)})")
+    return ", ".join(parts)
 
 
 def describe_held_back(level: LevelResult) -> str:

@@ -475,6 +475,63 @@ def test_a_measured_budget_probes_its_first_mixed_step_with_the_floor(
     assert start - 2 * (1 + FIXED.max_depth) > MIN_PREFILL_CHUNK  # the guess left more
 
 
+def test_a_short_prompt_is_not_kept_waiting_behind_a_long_one(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    """Shortest remaining prompt first: the short one, admitted a step after the
+    long one, gets its first token while the long one is still being read;
+    every output stays what it is alone."""
+    engine = _chunking_engine(pair, FIXED)
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], GREEDY)
+    while not outputs.get("a"):
+        _drain(engine, outputs)
+    long_prompt = prompts[0] * 12
+    assert len(long_prompt) > 4 * MIN_PREFILL_CHUNK
+    engine.add_request("long", long_prompt, GREEDY)
+    _drain(engine, outputs)
+    engine.add_request("short", prompts[2], GREEDY)
+    while not outputs.get("short"):
+        _drain(engine, outputs)
+    assert not outputs.get("long")  # before: it waited for all of the long prompt
+    while engine.has_unfinished():
+        _drain(engine, outputs)
+    (long_alone,) = generate(_engine(pair, draft=False), [long_prompt], GREEDY)
+    assert outputs["a"] == alone[1] and outputs["short"] == alone[2]
+    assert outputs["long"] == long_alone.token_ids
+
+
+def test_short_prompts_arriving_every_step_pass_a_long_one_only_for_a_while(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    """Aging: a new short prompt every step would starve a long one forever under
+    shortest-first alone; with aging the long one starts within (its tokens /
+    MIN_PREFILL_CHUNK) steps, then reads a chunk every step."""
+    tok = pair.tokenizer
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "target"),
+        as_loaded(pair.draft, tok, "draft"),
+        FIXED,
+        # One chunk a step: the decoding row leaves less than the floor.
+        options=EngineOptions(max_slots=64, max_length=512, max_step_tokens=MIN_PREFILL_CHUNK),
+    )
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=200))
+    while not outputs.get("a"):
+        _drain(engine, outputs)
+    long_prompt = prompts[0] * 12
+    engine.add_request("long", long_prompt, SamplingParams(max_new_tokens=2))
+    chunks = -(-len(long_prompt) // MIN_PREFILL_CHUNK)
+    steps = 0
+    while not outputs.get("long") and steps < 3 * chunks:
+        engine.add_request(f"short{steps}", prompts[3], SamplingParams(max_new_tokens=1))
+        _drain(engine, outputs)
+        steps += 1
+    assert outputs.get("long"), f"starved for {steps} steps"
+    assert steps <= 2 * chunks + 1  # waited at most its aging bound, then read straight on
+    assert sum(bool(outputs.get(f"short{i}")) for i in range(steps)) >= steps - chunks - 1
+
+
 def _last_kind(engine: SpeculativeEngine) -> str:
     assert engine.last_step is not None
     return engine.last_step.kind

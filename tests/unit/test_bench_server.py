@@ -9,7 +9,9 @@ from bench.bench_server import (
     StreamResult,
     describe_held_back,
     describe_steps,
+    describe_ttft,
     held_back_steps,
+    is_long,
     step_delta,
     step_totals,
 )
@@ -66,3 +68,17 @@ def test_the_held_back_share_is_of_the_levels_gaps() -> None:
     )
     level.held_back_steps = 4
     assert "the p99 is likely a held-back gap" in describe_held_back(level)
+
+
+def test_every_other_prompt_of_a_stream_is_long_and_its_ttft_is_reported_apart() -> None:
+    assert [is_long(0, r, 100) for r in range(4)] == [False, True, False, True]
+    assert [is_long(1, r, 100) for r in range(2)] == [True, False]
+    assert not any(is_long(i, r, 0) for i in range(3) for r in range(3))
+    level = LevelResult("speculation", 2, 10.0)
+    level.results.append(StreamResult(ttft=0.5, gaps=[], chunks=1, tokens=1))
+    level.results.append(StreamResult(ttft=9.0, gaps=[], chunks=1, tokens=1, long_prompt=True))
+    summary = level.summary()
+    assert (summary["ttft_short_ms"]["p50"], summary["ttft_long_ms"]["p50"]) == (500.0, 9000.0)
+    assert describe_ttft(level) == (
+        "short prompts p50 500.0 / p95 500.0 ms (1), long prompts p50 9000.0 / p95 9000.0 ms (1)"
+    )

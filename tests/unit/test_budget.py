@@ -17,6 +17,7 @@ from specpair_runtime.engine.budget import (
     chunk_cost,
     chunk_size,
     draft_catch_up,
+    prefill_order,
 )
 from specpair_runtime.engine.options import (
     DEFAULT_STEP_TOKENS_CPU,
@@ -291,3 +292,24 @@ def test_a_step_is_named_by_what_it_carried(
     decoding_rows: int, prompt_tokens: int, kind: str
 ) -> None:
     assert StepTiming.of(decoding_rows, prompt_tokens, 0.5) == StepTiming(kind, 0.5)  # type: ignore[arg-type]
+
+
+def test_the_shortest_remaining_prompt_goes_first() -> None:
+    # Admitted in this order, all in this step: 600, 20 and 300 tokens left.
+    assert prefill_order([600, 20, 300], [0, 0, 0]) == [1, 2, 0]
+
+
+def test_equal_prompts_keep_their_admission_order() -> None:
+    assert prefill_order([50, 50, 50], [0, 0, 0]) == [0, 1, 2]
+    assert prefill_order([], []) == []
+
+
+def test_a_waiting_prompt_goes_first_after_its_tokens_over_the_floor_in_steps() -> None:
+    """Aging: each step waited counts as MIN_PREFILL_CHUNK tokens read."""
+    long = 10 * MIN_PREFILL_CHUNK
+    # A fresh short prompt beside a long one that has waited 9 steps: the short one first.
+    assert prefill_order([long, 1], [9, 0]) == [1, 0]
+    # After 10 steps the long one's key is 0: no newcomer (at least 1 token) passes it.
+    assert prefill_order([long, 1], [10, 0]) == [0, 1]
+    # Two old prompts keep the order their keys give.
+    assert prefill_order([long, long + 3 * MIN_PREFILL_CHUNK], [0, 4]) == [1, 0]

@@ -50,7 +50,12 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
-from specpair_runtime.engine.budget import StepTiming, chunk_size, draft_catch_up
+from specpair_runtime.engine.budget import (
+    StepTiming,
+    chunk_size,
+    draft_catch_up,
+    prefill_order,
+)
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
@@ -114,6 +119,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     started: float = 0.0
     slot: int = -1
+    admitted_step: int = 0  # the engine's step count when it got its slot
     target_len: int = 0  # tokens whose KV is in the target's slot
     draft_len: int = 0  # tokens whose KV is in the draft's slot
 
@@ -247,6 +253,7 @@ class SpeculativeEngine:
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []  # admission order
         self._free_slots = list(range(slots))
+        self._steps = 0  # steps run, for the prefill order's aging
         self._done: OrderedDict[str, RequestStats] = OrderedDict()
         # Target-only steps by reason: no_draft, refused, disabled, a pause reason,
         # acceptance_floor, batch_size, probe (cost measurement), not_paying.
@@ -385,6 +392,7 @@ class SpeculativeEngine:
 
     def step(self) -> list[StepEvent]:
         self.last_step = None
+        self._steps += 1
         with torch.inference_mode():
             self._admit()
             if not self._running:
@@ -421,6 +429,7 @@ class SpeculativeEngine:
         while self._waiting and self._free_slots:
             request = self._waiting.pop(0)
             request.slot = self._free_slots.pop(0)
+            request.admitted_step = self._steps
             request.started = min(request.started, now)
             self._running.append(request)
 
@@ -438,7 +447,8 @@ class SpeculativeEngine:
         """Every running request's tokens for this step, within the token budget.
 
         Decoding rows always run (the streams never wait); prefill chunks fill
-        what the budget leaves, first come first served, at least
+        what the budget leaves, shortest remaining prompt first with aging
+        (``prefill_order``), at least
         ``MIN_PREFILL_CHUNK`` tokens (the budget's ceiling when no row
         decodes; only the floor until the budget has timed a step with prompt
         work, ``StepBudget.chunk_room``). The draft gets its own budget of the
@@ -473,9 +483,12 @@ class SpeculativeEngine:
             budget = self.budget.chunk_room(budget)
             draft_budget = self.budget.chunk_room(draft_budget)
         first_prefill = True
-        for request in self._running:
-            if request.decoding:
-                continue
+        prefilling = [r for r in self._running if not r.decoding]
+        order = prefill_order(
+            [r.sequence_len - r.target_len for r in prefilling],
+            [self._steps - r.admitted_step for r in prefilling],
+        )
+        for request in (prefilling[i] for i in order):
             pending = request.sequence_len - request.target_len
             size = chunk_size(pending, budget, first_prefill)
             if size <= 0:
