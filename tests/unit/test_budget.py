@@ -10,6 +10,7 @@ import torch
 from specpair_runtime.engine.budget import (
     GROWTH,
     MIN_PREFILL_CHUNK,
+    PREFILL_AGING,
     STEADY_DRAFT_FEED,
     STEP_ALLOWANCE,
     StepBudget,
@@ -304,12 +305,13 @@ def test_equal_prompts_keep_their_admission_order() -> None:
     assert prefill_order([], []) == []
 
 
-def test_a_waiting_prompt_goes_first_after_its_tokens_over_the_floor_in_steps() -> None:
-    """Aging: each step waited counts as MIN_PREFILL_CHUNK tokens read."""
-    long = 10 * MIN_PREFILL_CHUNK
-    # A fresh short prompt beside a long one that has waited 9 steps: the short one first.
-    assert prefill_order([long, 1], [9, 0]) == [1, 0]
-    # After 10 steps the long one's key is 0: no newcomer (at least 1 token) passes it.
-    assert prefill_order([long, 1], [10, 0]) == [0, 1]
+def test_a_waiting_prompt_goes_first_after_its_tokens_over_the_aging_in_steps() -> None:
+    """Aging: each step waited counts as PREFILL_AGING tokens read."""
+    long = 600
+    steps = long // PREFILL_AGING
+    # A fresh short prompt beside a long one that has waited a while: the short one first.
+    assert prefill_order([long, 1], [steps - 2, 0]) == [1, 0]
+    # Once the long one's key is 0, no newcomer (at least 1 token) passes it.
+    assert prefill_order([long, 1], [steps, 0]) == [0, 1]
     # Two old prompts keep the order their keys give.
-    assert prefill_order([long, long + 3 * MIN_PREFILL_CHUNK], [0, 4]) == [1, 0]
+    assert prefill_order([long, long + 3 * PREFILL_AGING], [0, 4]) == [1, 0]

@@ -83,6 +83,8 @@ SAMPLES = 16  # mixed steps that the line is fitted to
 # running decodes use up the budget, so it is never starved; the budget never
 # falls below it either.
 MIN_PREFILL_CHUNK = 8
+# Prompt tokens a waiting prefill's ordering key drops per step (``prefill_order``).
+PREFILL_AGING = 1
 # A flat line ("chunks cost the same whatever their size") is believed only
 # over chunk sizes at least this factor apart.
 FIT_SPREAD = 2.0
@@ -212,14 +214,17 @@ def prefill_order(pending: Sequence[int], waited: Sequence[int]) -> list[int]:
 
     Shortest remaining prompt first, the order that minimizes the mean time to
     first token: first come, first served made a 20-token prompt wait behind
-    every 600-token one that arrived before it (its first token 16-22 s late
+    every 600-token one that arrived before it (its first token 12-22 s late
     at 8 streams on the 1.5B pair; docs/benchmarks.md, stop 32). With aging:
     each step a request has waited since its admission (``waited``) lowers its
-    key by ``MIN_PREFILL_CHUNK``, so later arrivals pass a prompt for at most
-    ``pending / MIN_PREFILL_CHUNK`` steps, and none waits forever. Equal keys
-    keep their order (admission order).
+    key by ``PREFILL_AGING``, so later, shorter prompts pass a prompt for at
+    most ``pending / PREFILL_AGING`` steps, and none waits forever. The aging
+    must stay well below the tokens a step reads: at the 8-token floor per
+    step, every long prompt of a busy server soon outranked every new short
+    one, and short prompts waited 14-44 s again (stop 32). Equal keys keep
+    their order (admission order).
     """
-    keys = [p - w * MIN_PREFILL_CHUNK for p, w in zip(pending, waited, strict=True)]
+    keys = [p - w * PREFILL_AGING for p, w in zip(pending, waited, strict=True)]
     return sorted(range(len(keys)), key=keys.__getitem__)
 
 
