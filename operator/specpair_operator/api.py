@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from specpair_runtime.config import (
     ContractModel,
     ModelSpec,
+    PrefillOrder,
     ServingOptions,
     SpeculationKnobs,
     describe_validation_error,
@@ -413,6 +414,7 @@ class OutputFilterSpec(ContractModel):
 RUNTIME_SERVING_OPTIONS = (
     "max_step_tokens",
     "cuda_graphs",
+    "prefill_order",
     "cpu_threads",
     "max_request_body_bytes",
     "header_timeout_seconds",
@@ -467,6 +469,16 @@ class ServingSpec(ContractModel):
         description=(
             "On CUDA, replay decode and verify steps as captured CUDA graphs "
             f"(torch.compile); ignored on the CPU. Unset: {_runtime_default('cuda_graphs')}."
+        ),
+    )
+    prefill_order: PrefillOrder | None = Field(
+        default=None,
+        description=(
+            "Which waiting prompt reads its chunk first when several are entering: "
+            "shortest-first (the fewest tokens left; each step a prompt waits counts as one "
+            "token read, so a long one is passed by later, shorter ones for at most as many "
+            "steps as it has tokens) or arrival (oldest first: long prompts enter sooner, "
+            "short ones wait behind them). Unset: shortest-first."
         ),
     )
     cpu_threads: int | None = Field(

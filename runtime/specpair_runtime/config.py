@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Quantization = Literal["none", "int8-dynamic", "int4-weight"]
+PrefillOrder = Literal["shortest-first", "arrival"]
 
 
 def recommended_draft_quantization(device_type: str) -> Quantization:
@@ -168,6 +169,13 @@ class ServingOptions(ContractModel):
     cuda_graphs: bool = Field(
         default=True,
         description="On CUDA, capture decode/verify steps with CUDA graphs (torch.compile).",
+    )
+    prefill_order: PrefillOrder = Field(
+        default="shortest-first",
+        description=(
+            "Which waiting prompt reads its chunk first: shortest-first (the fewest tokens "
+            "left, each step waited counting as one token read) or arrival (oldest first)."
+        ),
     )
     cpu_threads: int | None = Field(
         default=None,

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from specpair_runtime.config import parse_runtime_config
+from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.server.app import create_app
 from specpair_runtime.server.command import apply_overrides
 from specpair_runtime.server.state import ServerState
@@ -124,6 +125,14 @@ def test_flag_overrides_are_validated_under_their_field_name() -> None:
     assert merged.serving.host == CONFIG.serving.host
     with pytest.raises(ValueError, match=r"serving\.maxBatchSize"):
         apply_overrides(CONFIG, {"max_batch_size": 0})
+
+
+def test_the_prefill_order_flag_reaches_the_engine_options() -> None:
+    assert EngineOptions.from_serving(CONFIG.serving).prefill_order == "shortest-first"
+    merged = apply_overrides(CONFIG, {"prefill_order": "arrival"})
+    assert EngineOptions.from_serving(merged.serving).prefill_order == "arrival"
+    with pytest.raises(ValueError, match="prefillOrder"):
+        apply_overrides(CONFIG, {"prefill_order": "fifo"})
 
 
 def test_both_length_fields_must_agree(client: TestClient) -> None:

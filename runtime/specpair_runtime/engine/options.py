@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpair_runtime.config import ServingOptions
+from specpair_runtime.config import PrefillOrder, ServingOptions
 from specpair_runtime.engine.budget import StepBudget
 
 # Where the per-step token budget starts when none is configured (it is then
@@ -32,12 +32,15 @@ class EngineOptions:
         ``DEFAULT_STEP_TOKENS_CPU`` / ``..._CUDA`` by device.
     cuda_graphs: on CUDA, run uniform decode/verify steps through
         ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Ignored on the CPU.
+    prefill_order: which prompt reads first (``budget.prefill_order``):
+        ``shortest-first``, or ``arrival`` (oldest first).
     """
 
     max_slots: int = 8
     max_length: int = 2048
     max_step_tokens: int | None = None
     cuda_graphs: bool = True
+    prefill_order: PrefillOrder = "shortest-first"
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -62,4 +65,5 @@ class EngineOptions:
             max_length=serving.max_model_length,
             max_step_tokens=serving.max_step_tokens,
             cuda_graphs=serving.cuda_graphs,
+            prefill_order=serving.prefill_order,
         )

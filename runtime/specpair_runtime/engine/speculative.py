@@ -448,7 +448,7 @@ class SpeculativeEngine:
 
         Decoding rows always run (the streams never wait); prefill chunks fill
         what the budget leaves, shortest remaining prompt first with aging
-        (``prefill_order``), at least
+        (``prefill_order``; ``arrival``: oldest first), at least
         ``MIN_PREFILL_CHUNK`` tokens (the budget's ceiling when no row
         decodes; only the floor until the budget has timed a step with prompt
         work, ``StepBudget.chunk_room``). The draft gets its own budget of the
@@ -484,11 +484,13 @@ class SpeculativeEngine:
             draft_budget = self.budget.chunk_room(draft_budget)
         first_prefill = True
         prefilling = [r for r in self._running if not r.decoding]
-        order = prefill_order(
-            [r.sequence_len - r.target_len for r in prefilling],
-            [self._steps - r.admitted_step for r in prefilling],
-        )
-        for request in (prefilling[i] for i in order):
+        if self.options.prefill_order == "shortest-first":
+            order = prefill_order(
+                [r.sequence_len - r.target_len for r in prefilling],
+                [self._steps - r.admitted_step for r in prefilling],
+            )
+            prefilling = [prefilling[i] for i in order]
+        for request in prefilling:
             pending = request.sequence_len - request.target_len
             size = chunk_size(pending, budget, first_prefill)
             if size <= 0:

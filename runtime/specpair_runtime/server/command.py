@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
-from specpair_runtime.config import RuntimeConfig, load_runtime_config, parse_runtime_config
+from specpair_runtime.config import (
+    PrefillOrder,
+    RuntimeConfig,
+    load_runtime_config,
+    parse_runtime_config,
+)
 
 if TYPE_CHECKING:
     from specpair_runtime.server.state import ServerState
@@ -28,6 +33,7 @@ SERVING_FLAGS = {
     "header_timeout_seconds": "headerTimeoutSeconds",
     "body_timeout_seconds": "bodyTimeoutSeconds",
     "cpu_threads": "cpuThreads",
+    "prefill_order": "prefillOrder",
 }
 
 
@@ -54,6 +60,11 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     serve.add_argument(
         "--body-timeout-seconds", type=float, metavar="S", help="serving.bodyTimeoutSeconds"
+    )
+    serve.add_argument(
+        "--prefill-order",
+        choices=get_args(PrefillOrder),
+        help="which waiting prompt reads first (serving.prefillOrder)",
     )
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
     serve.add_argument(
