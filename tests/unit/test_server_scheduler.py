@@ -97,3 +97,35 @@ def test_queue_bound_abort_and_batch_size_pause(scheduler: Scheduler) -> None:
     metrics = scheduler.metrics.render().decode()
     assert metric_value(metrics, "specpair_fallback_total", reason="batch_size") >= 1
     assert metric_value(metrics, "specpair_requests_running") == 0
+
+
+def test_metrics_are_up_to_date_when_a_request_hears_it_finished(
+    engine: SpeculativeEngine,
+) -> None:
+    """A client that scrapes /metrics right after its last chunk sees its request
+    gone from ``specpair_requests_running`` and the step that finished it counted
+    (the gauge used to be set after the replies: a race the server test hit)."""
+    metrics = ServerMetrics("p", "v")
+    sched = Scheduler(engine, KNOBS, metrics, MemoryProbe("cpu"), max_batch_size=2, max_waiting=1)
+    seen: list[tuple[float, float]] = []
+
+    class Scraping(Sink):
+        def __call__(self, update: Update) -> None:
+            if update.finished:
+                text = metrics.render().decode()
+                steps = sum(
+                    metric_value(text, "specpair_step_seconds_count", kind=kind)
+                    for kind in ("decode", "mixed", "prefill")
+                )
+                seen.append((metric_value(text, "specpair_requests_running"), steps))
+            super().__call__(update)
+
+    sink = Scraping()
+    sched.start()
+    try:
+        sched.submit(Submission("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=1), sink, 0))
+        assert sink.done.wait(60)
+    finally:
+        sched.stop()
+    # One token: the prefill step samples it and finishes the request.
+    assert seen == [(0.0, 1.0)]

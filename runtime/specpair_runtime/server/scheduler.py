@@ -249,6 +249,9 @@ class Scheduler:
     def _step(self) -> None:
         events = self.engine.step()
         now = time.monotonic()
+        # Metrics first, replies second: a client that scrapes /metrics right after its
+        # last chunk must see its request gone and the step that finished it counted.
+        replies: list[tuple[Submission, Update]] = []
         for event in events:
             submission = self._running.get(event.request_id)
             if submission is None:
@@ -266,21 +269,27 @@ class Scheduler:
                 # batch-mates go on. The detail is for the logs only.
                 del self._running[event.request_id]
                 log.error("request %s failed in the engine: %s", event.request_id, event.error)
-                self._fail(submission, event.error or "engine error", "engine_error")
+                self.metrics.error("engine_error")
+                detail = event.error or "engine error"
+                replies.append((submission, Update(error=detail, error_code="engine_error")))
                 continue
             if event.finished:
                 del self._running[event.request_id]
                 self.metrics.request_latency.observe(now - submission.arrival)
-            submission.sink(Update(event=event))
-        self.metrics.requests_running.set(len(self._running))
-        # SpeculativeEngine measures its budget; the protocol does not require it.
-        budget = getattr(self.engine, "step_tokens", None)
-        if isinstance(budget, int):
-            self.metrics.step_token_budget.set(budget)
-        timing = getattr(self.engine, "last_step", None)
-        if isinstance(timing, StepTiming):
-            self.metrics.step(timing)
-        self._track_speculation()
+            replies.append((submission, Update(event=event)))
+        try:
+            self.metrics.requests_running.set(len(self._running))
+            # SpeculativeEngine measures its budget; the protocol does not require it.
+            budget = getattr(self.engine, "step_tokens", None)
+            if isinstance(budget, int):
+                self.metrics.step_token_budget.set(budget)
+            timing = getattr(self.engine, "last_step", None)
+            if isinstance(timing, StepTiming):
+                self.metrics.step(timing)
+            self._track_speculation()
+        finally:  # the requests that this step finished are no longer in _running
+            for submission, update in replies:
+                submission.sink(update)
 
     def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:
         self.metrics.error(code)
