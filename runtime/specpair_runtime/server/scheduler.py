@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 from specpair_runtime.config import SpeculationKnobs
@@ -251,7 +252,7 @@ class Scheduler:
         now = time.monotonic()
         # Metrics first, replies second: a client that scrapes /metrics right after its
         # last chunk must see its request gone and the step that finished it counted.
-        replies: list[tuple[Submission, Update]] = []
+        replies: list[Callable[[], None]] = []
         for event in events:
             submission = self._running.get(event.request_id)
             if submission is None:
@@ -269,14 +270,13 @@ class Scheduler:
                 # batch-mates go on. The detail is for the logs only.
                 del self._running[event.request_id]
                 log.error("request %s failed in the engine: %s", event.request_id, event.error)
-                self.metrics.error("engine_error")
                 detail = event.error or "engine error"
-                replies.append((submission, Update(error=detail, error_code="engine_error")))
+                replies.append(partial(self._fail, submission, detail, "engine_error"))
                 continue
             if event.finished:
                 del self._running[event.request_id]
                 self.metrics.request_latency.observe(now - submission.arrival)
-            replies.append((submission, Update(event=event)))
+            replies.append(partial(submission.sink, Update(event=event)))
         try:
             self.metrics.requests_running.set(len(self._running))
             # SpeculativeEngine measures its budget; the protocol does not require it.
@@ -288,8 +288,8 @@ class Scheduler:
                 self.metrics.step(timing)
             self._track_speculation()
         finally:  # the requests that this step finished are no longer in _running
-            for submission, update in replies:
-                submission.sink(update)
+            for reply in replies:
+                reply()
 
     def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:
         self.metrics.error(code)
