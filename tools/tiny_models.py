@@ -28,8 +28,11 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
+from specpair_runtime.engine.fused_projections import fuse_projections
 from specpair_runtime.engine.loading import LoadedModel
 
 ModelKind = Literal["llama", "gpt2"]
@@ -135,7 +138,7 @@ def _peaky(model: PreTrainedModel, seed: int, logit_scale: float) -> PreTrainedM
 
 
 def _final_norm_weight(model: PreTrainedModel) -> torch.nn.Parameter:
-    if isinstance(model, LlamaForCausalLM):
+    if isinstance(model, (LlamaForCausalLM, Qwen2ForCausalLM)):
         weight: torch.nn.Parameter = model.model.norm.weight
         return weight
     if isinstance(model, GPT2LMHeadModel):
@@ -175,6 +178,40 @@ def build_llama(
     )
     torch.manual_seed(seed)
     return _peaky(LlamaForCausalLM(config), seed, logit_scale)  # type: ignore[return-value]
+
+
+def build_qwen2(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    logit_scale: float = 6.0,
+) -> Qwen2ForCausalLM:
+    """A random tiny Qwen2: a Llama with biases on q/k/v, drawn here so they are not zero."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model: Qwen2ForCausalLM = _peaky(Qwen2ForCausalLM(config), seed, logit_scale)  # type: ignore[assignment]
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.08)
+    return model
 
 
 def build_gpt2(
@@ -282,7 +319,8 @@ def save_pair(
 
 
 def as_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: str) -> LoadedModel:
-    """Wrap an in-memory tiny model like the loader does (CPU, float32)."""
+    """Wrap an in-memory tiny model like the loader does (CPU, float32, projections fused)."""
+    fuse_projections(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

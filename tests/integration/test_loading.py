@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from specpair_runtime.config import ModelSpec, Quantization, SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.fused_projections import fuse_projections
 from specpair_runtime.engine.int4_linears import Int4Linear, can_quantize
 from specpair_runtime.engine.loading import (
     LoadError,
@@ -178,6 +179,7 @@ def test_quantized_draft_keeps_greedy_output(
     )
     quantized = [m for m in pair.draft.model.modules() if isinstance(m, quantized_type)]
     plain = AutoModelForCausalLM.from_pretrained(draft_dir)
+    fuse_projections(plain)  # as the loader does, before it quantizes
     packable = [
         m
         for m in plain.modules()

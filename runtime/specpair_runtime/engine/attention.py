@@ -133,6 +133,9 @@ def model_attention(model: PreTrainedModel) -> Iterator[None]:
     """Run the model's attention through ``slot_attention`` inside the block."""
     config = model.config
     previous = config._attn_implementation
+    if previous == IMPLEMENTATION:  # nested (a captured step): nothing to switch or restore
+        yield
+        return
     config._attn_implementation = IMPLEMENTATION
     try:
         yield

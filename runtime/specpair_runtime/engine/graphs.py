@@ -100,13 +100,8 @@ class GraphStep:
             masks=[],
             dense=DenseRows(slot, position, q_len),
         )
-        out = self.runner.model.base_model(
-            input_ids=ids[None, :],
-            position_ids=batch.position_ids,
-            cache=SlotCache(storage, batch),
-            use_cache=True,
-        )
-        logits: torch.Tensor = self.runner.head(out.last_hidden_state[0])
+        hidden = self.runner.hidden_states(ids[None, :], SlotCache(storage, batch))
+        logits: torch.Tensor = self.runner.head(hidden[0])
         return logits
 
     def __call__(

@@ -23,6 +23,7 @@ import torch
 
 from specpair_runtime.config import Dtype, ModelSpec, Quantization
 from specpair_runtime.engine.end_of_generation import add_end_of_generation
+from specpair_runtime.engine.fused_projections import fuse_projections
 from specpair_runtime.engine.int4_linears import quantize_int4_weights
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,8 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
     model.eval()
     model.requires_grad_(False)
     model.to(torch_device)
+    # Before quantizing and prepacking, so those see one Linear per fused projection.
+    fuse_projections(model)
     if spec.quantization == "int8-dynamic":
         model = quantize_int8_dynamic(model)
     elif spec.quantization == "int4-weight":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specpair_runtime.engine.attention import model_attention
+from specpair_runtime.engine.decoder import DecoderLoop
 from specpair_runtime.engine.graphs import GraphStep
 from specpair_runtime.engine.kvcache import (
     KVGeometry,
@@ -37,6 +38,8 @@ class ModelRunner:
         self.geometry = KVGeometry.of(self.model.config)
         text = self.model.config.get_text_config()
         self.groups = int(text.num_attention_heads) // self.geometry.kv_heads
+        # The engine's own loop where it knows the model (fused projections), else HF's forward.
+        self.decoder = DecoderLoop.of(self.model)
         self.storage: KVStorage | None = None
         self.allocate()
         self.graphs = GraphStep(self) if cuda_graphs and self.device.type == "cuda" else None
@@ -73,15 +76,22 @@ class ModelRunner:
         # padding) must still read every committed id; past the tokenizer
         # these ids are junk anyway, and the draft only proposes.
         ids = input_ids.clamp(max=self.embedding_rows - 1)[None, :]
-        with model_attention(self.model):
-            out = self.model.base_model(
-                input_ids=ids,
-                position_ids=batch.position_ids,
-                cache=SlotCache(storage, batch),
-                use_cache=True,
-            )
+        hidden = self.hidden_states(ids, SlotCache(storage, batch))
         if sample_index is None:
             return None
-        hidden = out.last_hidden_state[0].index_select(0, sample_index)
-        logits: torch.Tensor = self.head(hidden)
+        logits: torch.Tensor = self.head(hidden[0].index_select(0, sample_index))
         return logits
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """The final hidden states [1, T, hidden] of ``input_ids`` [1, T] laid out by ``cache``."""
+        if self.decoder is not None:
+            return self.decoder(input_ids, cache)
+        with model_attention(self.model):
+            out = self.model.base_model(
+                input_ids=input_ids,
+                position_ids=cache.batch.position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
