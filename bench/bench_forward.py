@@ -14,7 +14,9 @@ includes this curve).
 Rounds alternate over models and sizes, so drift on a shared machine hits
 all of them alike. Per size it prints the median milliseconds over rounds
 and the cost against one token, computed within each round: the median and
-[min-max] over rounds.
+[min-max] over rounds. ``--transformers-forward`` also times each model
+through transformers' own forward on the same modules (rows ``<model>-hf``)
+and prints the engine's loop against it, per size, within each round.
 
     .venv/bin/python bench/bench_forward.py [--tokens 1,2,4,5,8,9,16] [--rounds 3] [--json FILE]
 """
@@ -157,6 +159,21 @@ def summarize(samples: Mapping[str, Mapping[int, Sequence[float]]]) -> list[Cost
     return rows
 
 
+def loop_ratios(
+    samples: Mapping[str, Mapping[int, Sequence[float]]],
+) -> list[tuple[str, int, float, float, float]]:
+    """(model, tokens, median, min, max) of the engine's loop / transformers' forward per round."""
+    out = []
+    for name, by_size in samples.items():
+        other = samples.get(f"{name}-hf")
+        if other is None:
+            continue
+        for n, seconds in sorted(by_size.items()):
+            ratios = [s / o for s, o in zip(seconds, other[n], strict=True)]
+            out.append((name, n, statistics.median(ratios), min(ratios), max(ratios)))
+    return out
+
+
 def format_rows(rows: Sequence[CostRow]) -> str:
     lines = [f"{'model':8s} {'tokens':>6s} {'ms':>8s}  vs 1 token", "-" * 44]
     for row in rows:
@@ -186,6 +203,26 @@ def pair_and_engine(
     return pair, pair.engine(options=EngineOptions(max_slots=1, max_length=max_length))
 
 
+def transformers_runners(
+    runners: Mapping[str, ModelRunner], max_length: int
+) -> dict[str, ModelRunner]:
+    """A runner per model that takes transformers' forward instead of the engine's loop.
+
+    Same loaded modules and kernels, its own one-slot storage. Where the engine
+    runs transformers' forward anyway (no ``DecoderLoop`` for the model), none.
+    """
+    from specpair_runtime.engine.runner import ModelRunner
+
+    others: dict[str, ModelRunner] = {}
+    for name, runner in runners.items():
+        if runner.decoder is None:
+            continue
+        other = ModelRunner(runner.loaded, 1, max_length)
+        other.decoder = None
+        others[f"{name}-hf"] = other
+    return others
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tokens", type=parse_tokens, default=list(DEFAULT_TOKENS))
@@ -196,6 +233,12 @@ def main(argv: list[str]) -> int:
         "--draft-quantization",
         choices=get_args(Quantization),
         help="the draft's quantization (default: what make bench runs on the device)",
+    )
+    parser.add_argument(
+        "--transformers-forward",
+        action="store_true",
+        help="also time each model through transformers' own forward (rows '<model>-hf'), "
+        "on the same modules and kernels, alternating with the engine's loop",
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
@@ -217,6 +260,8 @@ def main(argv: list[str]) -> int:
     runners: dict[str, ModelRunner] = {"target": engine.target}
     if engine.draft is not None:
         runners["draft"] = engine.draft
+    if args.transformers_forward:
+        runners.update(transformers_runners(runners, length))
     print(
         f"device {device} ({engine.target.dtype}), draft quantization {quantization}, "
         f"torch threads {torch.get_num_threads()}, "
@@ -226,8 +271,14 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     every = {name: args.tokens for name in runners}
-    rows = summarize(measure(runners, every, context=args.context, rounds=args.rounds))
+    samples = measure(runners, every, context=args.context, rounds=args.rounds)
+    rows = summarize(samples)
     print(format_rows(rows))
+    for name, n, ratio, low, high in loop_ratios(samples):
+        print(
+            f"{name} {n} tokens: engine loop / transformers forward "
+            f"{ratio:.2f} [{low:.2f}-{high:.2f}]"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=1) + "\n")
     return 0

@@ -10,7 +10,12 @@ is reported per mode.
 
 HF assisted generation runs twice per round: on transformers' stock CPU
 kernels (before the engine switches the linears to oneDNN) and on the same
-oneDNN kernels as specpair, so both baselines are shown side by side.
+oneDNN kernels as specpair, so both baselines are shown side by side. Both
+run transformers' own generation loop and modeling code over the loaded
+models, whose q/k/v and gate/up projections the loader fused
+(``engine/fused_projections.py``): HF's forward runs each fused GEMM once, as
+the engine's own loop does, so the fusion speeds up both sides and the ratio
+shows only what the engine does differently.
 """
 
 from __future__ import annotations

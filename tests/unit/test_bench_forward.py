@@ -6,7 +6,15 @@ import argparse
 
 import pytest
 import torch
-from bench.bench_forward import main, measure, parse_tokens, prefill, summarize
+from bench.bench_forward import (
+    loop_ratios,
+    main,
+    measure,
+    parse_tokens,
+    prefill,
+    summarize,
+    transformers_runners,
+)
 from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
@@ -79,3 +87,16 @@ def test_measure_times_only_the_sizes_named_for_each_model() -> None:
 def test_rounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="rounds"):
         measure({}, {}, context=CONTEXT, rounds=0)
+
+
+def test_transformers_forward_runners_share_the_modules_and_give_ratios() -> None:
+    engine = _tiny_engine()
+    assert engine.draft is not None
+    runners = {"target": engine.target, "draft": engine.draft}
+    others = transformers_runners(runners, 32)
+    assert set(others) == {"target-hf", "draft-hf"}
+    hf = others["target-hf"]
+    assert hf.decoder is None and engine.target.decoder is not None
+    assert hf.model is engine.target.model and hf.storage is not engine.target.storage
+    samples = {"target": {1: [1.0, 3.0]}, "target-hf": {1: [2.0, 3.0]}, "draft": {1: [1.0]}}
+    assert loop_ratios(samples) == [("target", 1, 0.75, 0.5, 1.0)]

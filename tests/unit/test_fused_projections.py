@@ -77,7 +77,7 @@ def test_transformers_code_runs_one_gemm_per_fused_projection_and_keeps_nothing(
     assert calls == [FUSED_ATTENTION, FUSED_MLP]
     # The shared result is dropped once every part took its columns.
     shared = layer.mlp.up_proj.__dict__["_shared"]
-    assert shared._output is None and shared._input is None
+    assert shared.state is None
 
 
 def test_a_part_called_twice_recomputes_instead_of_serving_a_stale_result() -> None:

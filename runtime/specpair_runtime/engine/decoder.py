@@ -2,7 +2,8 @@
 
 transformers' model forward wraps every layer and attention call in
 decorators, keyword plumbing and mask preparation that a flat ragged step
-never needs; on a 0.5B draft that is a tenth of a 1-token forward on the CPU.
+never needs; on the 0.5B draft of ``make bench`` that was about a tenth of a
+1-token forward on a 2-core CPU (docs/benchmarks.md, stop 33).
 This loop runs the same modules with the same operations in the same order
 (the layer's own RMSNorm, the rotary embedding module, ``act_fn``), so its
 output is the same bits as the model's own forward over the same cache

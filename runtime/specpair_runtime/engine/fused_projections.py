@@ -5,10 +5,9 @@ by three attention projections and by two MLP projections. Concatenating
 their weights along the output features turns five GEMM calls into two. Each
 output column still comes from its own weight row, so the results are the
 same bits as the separate calls (``test_fused_projections.py`` checks it on
-the oneDNN and int4 paths); only the per-call overhead goes. On 2 CPU cores
-(AMD EPYC, stop 33) the int4 draft's q/k/v cost 100 us as three calls against
-67 us as one, and the fp32 target's gate and up 3.4 ms against 3.1 ms for 5
-rows.
+the oneDNN and int4 paths); only the per-call overhead goes, which on a
+2-core CPU is most of what a small draft's narrow k and v projections cost
+(docs/benchmarks.md, stop 33).
 
 ``fuse_projections`` runs once, at load time, before the draft is quantized
 and before the target's linears are prepacked, so those steps see one plain
@@ -41,27 +40,26 @@ class _SharedCall:
     transformers calls the parts one after another on the same tensor, so the
     first call runs the GEMM and the rest slice its result. The result is
     dropped once every part has been served, so a long prompt chunk's
-    activations are not held between layers.
+    activations are not held between layers. The state is one tuple, read and
+    replaced whole, so forwards on two threads at worst recompute.
     """
 
     def __init__(self, owner: torch.nn.Module, fused_name: str, sizes: list[int]) -> None:
         self.owner = owner  # looked up per call: quantization may swap the fused module
         self.fused_name = fused_name
         self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        self._input: torch.Tensor | None = None
-        self._output: torch.Tensor | None = None
-        self._unserved: set[int] = set()
+        # (input, fused output, parts not yet served), or None.
+        self.state: tuple[torch.Tensor, torch.Tensor, frozenset[int]] | None = None
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if self._input is not x or index not in self._unserved:
+        state = self.state
+        if state is not None and state[0] is x and index in state[2]:
+            output, unserved = state[1], state[2]
+        else:
             fused: torch.nn.Module = getattr(self.owner, self.fused_name)
-            self._input, self._output = x, fused(x)
-            self._unserved = set(range(len(self.bounds) - 1))
-        output = self._output
-        assert output is not None
-        self._unserved.discard(index)
-        if not self._unserved:
-            self._input = self._output = None
+            output, unserved = fused(x), frozenset(range(len(self.bounds) - 1))
+        unserved = unserved - {index}
+        self.state = (x, output, unserved) if unserved else None
         return output[..., self.bounds[index] : self.bounds[index + 1]]
 
 
