@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -147,6 +147,31 @@ def _final_norm_weight(model: PreTrainedModel) -> torch.nn.Parameter:
     raise TypeError(f"unsupported model class {type(model).__name__}")
 
 
+def _llama_layout(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    vocab_padding: int = 0,
+) -> dict[str, Any]:
+    """Config fields that Llama and Qwen2 share, for a tiny model over ``tokenizer``."""
+    return {
+        "vocab_size": len(tokenizer) + vocab_padding,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def build_llama(
     tokenizer: PreTrainedTokenizerFast,
     seed: int = 0,
@@ -164,17 +189,14 @@ def build_llama(
     real checkpoints do.
     """
     config = LlamaConfig(
-        vocab_size=len(tokenizer) + vocab_padding,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_llama_layout(
+            tokenizer,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            vocab_padding=vocab_padding,
+        )
     )
     torch.manual_seed(seed)
     return _peaky(LlamaForCausalLM(config), seed, logit_scale)  # type: ignore[return-value]
@@ -191,19 +213,8 @@ def build_qwen2(
     logit_scale: float = 6.0,
 ) -> Qwen2ForCausalLM:
     """A random tiny Qwen2: a Llama with biases on q/k/v, drawn here so they are not zero."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    layout = _llama_layout(tokenizer, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    config = Qwen2Config(**layout)
     torch.manual_seed(seed)
     model: Qwen2ForCausalLM = _peaky(Qwen2ForCausalLM(config), seed, logit_scale)  # type: ignore[assignment]
     generator = torch.Generator().manual_seed(seed + 1)
