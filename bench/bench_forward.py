@@ -139,22 +139,20 @@ class CostRow:
     ratio_max: float
 
 
+def _spread(seconds: Sequence[float], baseline: Sequence[float]) -> tuple[float, float, float]:
+    """Median, min and max of the per-round ratios ``seconds / baseline``."""
+    ratios = [s / b for s, b in zip(seconds, baseline, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def summarize(samples: Mapping[str, Mapping[int, Sequence[float]]]) -> list[CostRow]:
     """Per model and size: median ms, and the cost against 1 token within each round."""
     rows = []
     for model, by_size in samples.items():
         base = by_size[1]
         for n, seconds in sorted(by_size.items()):
-            ratios = [s / b for s, b in zip(seconds, base, strict=True)]
             rows.append(
-                CostRow(
-                    model,
-                    n,
-                    statistics.median(seconds) * 1e3,
-                    statistics.median(ratios),
-                    min(ratios),
-                    max(ratios),
-                )
+                CostRow(model, n, statistics.median(seconds) * 1e3, *_spread(seconds, base))
             )
     return rows
 
@@ -169,8 +167,7 @@ def loop_ratios(
         if other is None:
             continue
         for n, seconds in sorted(by_size.items()):
-            ratios = [s / o for s, o in zip(seconds, other[n], strict=True)]
-            out.append((name, n, statistics.median(ratios), min(ratios), max(ratios)))
+            out.append((name, n, *_spread(seconds, other[n])))
     return out
 
 

@@ -5,7 +5,8 @@ decorators, keyword plumbing and mask preparation that a flat ragged step
 never needs; on the 0.5B draft of ``make bench`` that was about a tenth of a
 1-token forward on a 2-core CPU (docs/benchmarks.md, stop 33).
 This loop runs the same modules with the same operations in the same order
-(the layer's own RMSNorm, the rotary embedding module, ``act_fn``), so its
+(the layer's own RMSNorm, the rotary module and ``apply_rotary_pos_emb``
+of the model's modeling file, ``act_fn``), so its
 output is the same bits as the model's own forward over the same cache
 (``test_decoder.py`` checks it), and it calls the fused q/k/v and gate/up
 projections (``fused_projections.py``) once each. Models it does not know, or
@@ -15,6 +16,7 @@ whose projections were not fused, run through transformers' forward instead
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +49,9 @@ class _Layer:
     down: torch.nn.Module
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+RotaryFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def _child(module: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -87,11 +89,12 @@ def _layer(module: torch.nn.Module) -> _Layer | None:
 class DecoderLoop:
     """Hidden states of a flat ragged batch, written to and read from the slot cache."""
 
-    def __init__(self, base: torch.nn.Module, layers: list[_Layer]) -> None:
+    def __init__(self, base: torch.nn.Module, layers: list[_Layer], rotate: RotaryFn) -> None:
         self.embed = _child(base, "embed_tokens")
         self.rotary = _child(base, "rotary_emb")
         self.norm = _child(base, "norm")
         self.layers = layers
+        self.apply_rotary = rotate
 
     @staticmethod
     def of(model: torch.nn.Module) -> DecoderLoop | None:
@@ -104,10 +107,12 @@ class DecoderLoop:
             hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")
         ):
             return None
+        # The modeling module's own function, so the rotation is the one its forward runs.
+        rotate = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", None)
         layers = [_layer(module) for module in base.layers]
-        if not layers or any(layer is None for layer in layers):
+        if rotate is None or not layers or any(layer is None for layer in layers):
             return None
-        return DecoderLoop(base, layers)  # type: ignore[arg-type]
+        return DecoderLoop(base, layers, rotate)  # type: ignore[arg-type]
 
     def __call__(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """input_ids [1, T] -> the final-normed hidden states [1, T, hidden]."""
@@ -116,7 +121,6 @@ class DecoderLoop:
         hidden = self.embed(input_ids)
         tokens = hidden.shape[1]
         cos, sin = self.rotary(hidden, batch.position_ids)
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: broadcast over heads
         for index, layer in enumerate(self.layers):
             residual = hidden
             q, k, v = layer.qkv(layer.input_norm(hidden)).split(layer.qkv_sizes, dim=-1)
@@ -124,8 +128,7 @@ class DecoderLoop:
             q = q.view(shape).transpose(1, 2)
             k = k.view(shape).transpose(1, 2)
             v = v.view(shape).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = self.apply_rotary(q, k, cos, sin)
             keys, values = cache.update(k, v, index)
             out, _ = slot_attention(
                 layer.attention, q, keys, values, None, scaling=layer.scaling, **attention_kwargs

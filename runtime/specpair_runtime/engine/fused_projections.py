@@ -32,6 +32,7 @@ ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 MLP_PARTS = ("gate_proj", "up_proj")
 FUSED_ATTENTION = "qkv_proj"
 FUSED_MLP = "gate_up_proj"
+PARTS = {FUSED_ATTENTION: ATTENTION_PARTS, FUSED_MLP: MLP_PARTS}  # fused name -> parts
 
 
 class _SharedCall:
@@ -117,7 +118,8 @@ def _fusable_parts(module: torch.nn.Module, names: tuple[str, ...]) -> list[torc
     return linears if same else None
 
 
-def _fuse(module: torch.nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+def _fuse(module: torch.nn.Module, fused_name: str) -> bool:
+    names = PARTS[fused_name]
     parts = _fusable_parts(module, names)
     if parts is None or hasattr(module, fused_name):
         return False
@@ -141,8 +143,8 @@ def fuse_projections(model: torch.nn.Module) -> int:
         mlp = getattr(module, "mlp", None)
         if attention is None or mlp is None:
             continue
-        fused_attention = _fuse(attention, ATTENTION_PARTS, FUSED_ATTENTION)
-        fused_mlp = _fuse(mlp, MLP_PARTS, FUSED_MLP)
+        fused_attention = _fuse(attention, FUSED_ATTENTION)
+        fused_mlp = _fuse(mlp, FUSED_MLP)
         layers += int(fused_attention and fused_mlp)
     if layers:
         log.debug("fused q/k/v and gate/up projections in %d layers", layers)
@@ -154,8 +156,7 @@ def fused_parts(
 ) -> tuple[torch.nn.Module, list[int]] | None:
     """The fused module and its parts' widths, when ``module`` was fused; else None."""
     fused = getattr(module, fused_name, None)
-    names = ATTENTION_PARTS if fused_name == FUSED_ATTENTION else MLP_PARTS
-    slices = [getattr(module, name, None) for name in names]
+    slices = [getattr(module, name, None) for name in PARTS[fused_name]]
     if fused is None or not all(isinstance(s, ProjectionSlice) for s in slices):
         return None
     return fused, [s.out_features for s in slices]  # type: ignore[union-attr]
