@@ -183,8 +183,9 @@ def add_speculation_options(parser: argparse.ArgumentParser) -> None:
         type=probability,
         default=None,
         metavar="P",
-        help="stop a row's drafts below this draft probability (0 = off; "
-        "default: 0.5 on the CPU with adaptive depth, off on CUDA)",
+        help="stop a row's drafts below this draft probability (0 = off; default "
+        "on the CPU with adaptive depth: the break-even acceptance from the measured "
+        "costs, 0.5 until measured; off on CUDA)",
     )
 
 

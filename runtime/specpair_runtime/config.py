@@ -37,11 +37,13 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
 # The draft-confidence stop (transformers' assisted generation stops drafting at 0.4 by
 # default): on by default on the CPU only. On CUDA the check reads the draft's
 # probabilities back once per draft forward, which breaks the step's single host sync.
+# Unset with adaptive depth, the threshold follows the measured costs
+# (``CostModel.break_even_confidence``); this value serves until they are measured.
 DEFAULT_DRAFT_CONFIDENCE = {"cpu": 0.5}
 
 
 def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> float:
-    """The confidence below which a row stops drafting (0 = never), on a device type.
+    """The confidence stop's fixed threshold (0 = never), or its start-up value.
 
     Unset, it is the device's default with adaptive depth, and 0 with a fixed
     depth (a fixed depth drafts exactly ``maxDepth`` tokens).
@@ -49,6 +51,12 @@ def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> floa
     if knobs.draft_confidence is not None:
         return knobs.draft_confidence
     return DEFAULT_DRAFT_CONFIDENCE.get(device_type, 0.0) if knobs.adaptive else 0.0
+
+
+def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool:
+    """True when the threshold follows the measured costs: unset, with adaptive depth,
+    on a device where the stop is on by default."""
+    return knobs.draft_confidence is None and resolved_draft_confidence(knobs, device_type) > 0
 
 
 class ContractModel(BaseModel):
@@ -113,8 +121,9 @@ class SpeculationKnobs(ContractModel):
         le=1.0,
         description=(
             "A request stops drafting in a step once the draft's probability of its "
-            "last drafted token is below this (0 disables). Default: 0.5 on the CPU "
-            "with adaptive depth; off on CUDA and with a fixed depth."
+            "last drafted token is below this (0 disables). Default on the CPU with "
+            "adaptive depth: the break-even acceptance of one more draft token from the "
+            "measured step costs (0.5 until measured); off on CUDA and with a fixed depth."
         ),
     )
     disable_above_batch_size: int | None = Field(

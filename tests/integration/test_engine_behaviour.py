@@ -6,7 +6,7 @@ import pytest
 import torch
 from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
-from specpair_runtime.config import PrefillOrder, SpeculationKnobs
+from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
 from specpair_runtime.engine.options import EngineOptions
@@ -574,6 +574,22 @@ def test_the_draft_confidence_stop_keeps_greedy_output(
         assert per_step == 1.0
     else:  # rows of one batch stop at different positions
         assert 1.0 < per_step < 2.5
+
+
+def test_the_default_stop_follows_the_measured_costs(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    """Unset on the CPU with adaptive depth, the threshold is the break-even acceptance."""
+    engine = _engine(pair, SpeculationKnobs())
+    assert engine.confidence_threshold(4) == DEFAULT_DRAFT_CONFIDENCE["cpu"]  # unmeasured
+    (result,) = generate(engine, prompts[:1], GREEDY)
+    assert result.token_ids == alone[0]
+    measured = engine.controller.cost.break_even_confidence(1, 4)
+    assert measured is not None
+    assert engine.confidence_threshold(4) == measured
+    fixed = _engine(pair, SpeculationKnobs(draft_confidence=0.3))
+    generate(fixed, prompts[:1], GREEDY)
+    assert fixed.confidence_threshold(4) == 0.3  # a set knob stays fixed
 
 
 def test_a_seeded_row_stops_drafting_where_it_would_alone(

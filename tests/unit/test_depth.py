@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
+from specpair_runtime.config import (
+    SpeculationKnobs,
+    measured_draft_confidence,
+    resolved_draft_confidence,
+)
 from specpair_runtime.engine.depth import (
     EXPLORE_EVERY,
     FIRST_BACKOFF,
@@ -81,6 +85,40 @@ def test_cost_cap_picks_the_best_depth_when_drafting_is_cheap() -> None:
 
 def test_cost_cap_speculates_until_measured() -> None:
     assert CostModel().cost_cap(1, 1, 4) == 4
+
+
+def test_the_break_even_confidence_is_the_step_rate_times_one_more_tokens_cost() -> None:
+    # This CPU's Qwen pair (stop 34): a draft forward 23 ms, verifies of 1-5 tokens
+    # about alike, 200 ms.
+    flat = _measured(0.023, {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}, 0.8)
+    rate = flat.throughput(1, 4)
+    assert rate is not None
+    assert flat.verify_slope(1) == 0.0
+    assert flat.break_even_confidence(1, 4) == pytest.approx(rate * 0.023)
+    # Where each verify token costs 25 ms more (stop 26's CPU), the bar is higher.
+    steep = _measured(0.023, {n: 0.2 + 0.025 * (n - 1) for n in range(1, 6)}, 0.8)
+    assert steep.verify_slope(1) == pytest.approx(0.025)
+    steep_rate = steep.throughput(1, 4)
+    assert steep_rate is not None
+    assert steep.break_even_confidence(1, 4) == pytest.approx(steep_rate * 0.048)
+    assert (steep.break_even_confidence(1, 4) or 0.0) > (flat.break_even_confidence(1, 4) or 1.0)
+    assert flat.break_even_confidence(2, 2) is None  # batch 2 unmeasured
+    costly = _measured(0.02, {1: 0.2, 3: 2.0}, 0.8)
+    assert costly.break_even_confidence(1, 4) == 1.0  # never above 1
+
+
+def test_one_noisy_verify_size_hardly_moves_the_bar() -> None:
+    # A fit through all sizes, not the difference of neighbours (stop 34's trace).
+    noisy = _measured(0.023, {1: 0.29, 2: 0.20, 3: 0.25, 4: 0.22, 5: 0.22}, 0.8)
+    assert noisy.verify_slope(1) == 0.0  # the fit slopes down: clamped at flat
+    assert (noisy.break_even_confidence(1, 4) or 1.0) < 0.3
+
+
+def test_the_break_even_confidence_waits_for_measured_costs() -> None:
+    assert CostModel().break_even_confidence(1, 4) is None
+    cost = CostModel()
+    cost.record_verify(1, 5, 0.2)
+    assert cost.break_even_confidence(1, 4) is None  # no draft forward timed yet
 
 
 def test_acceptance_floor_needs_a_full_window() -> None:
@@ -255,6 +293,21 @@ def test_the_draft_confidence_stop_defaults_per_device_and_depth_mode(
     knobs: SpeculationKnobs, device: str, expected: float
 ) -> None:
     assert resolved_draft_confidence(knobs, device) == expected
+
+
+@pytest.mark.parametrize(
+    ("knobs", "device", "expected"),
+    [
+        (SpeculationKnobs(), "cpu", True),
+        (SpeculationKnobs(), "cuda", False),
+        (SpeculationKnobs(draft_confidence=0.5), "cpu", False),  # a set knob is fixed
+        (SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False), "cpu", False),
+    ],
+)
+def test_only_an_unset_adaptive_cpu_stop_follows_the_measured_costs(
+    knobs: SpeculationKnobs, device: str, expected: bool
+) -> None:
+    assert measured_draft_confidence(knobs, device) is expected
 
 
 def test_a_bad_draft_confidence_names_the_field() -> None:

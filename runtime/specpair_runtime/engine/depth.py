@@ -51,7 +51,9 @@ by being cut short, not by wasted verify work):
 
 Within the step's depth, each row may stop sooner: the engine's
 draft-confidence stop (``draftConfidence``, ``speculative.py``) ends a row's
-drafts once the draft is unsure of its token. So acceptance per position is
+drafts once the draft is unsure of its token; unset, its threshold is
+``CostModel.break_even_confidence``, the acceptance one more draft token needs
+to pay for itself at the measured costs. So acceptance per position is
 counted over the rows that reached it, and a step is timed at the depth its
 rows really drafted.
 """
@@ -227,6 +229,40 @@ class CostModel:
             return None
         cost = depth * draft + verify
         return expected_tokens(self.acceptance(depth), depth) / cost if cost > 0 else None
+
+    def verify_slope(self, batch_size: int) -> float:
+        """Seconds one more verify token adds: the least-squares slope through the
+        measured t_v(n), at least 0; 0 (flat) until two sizes are measured.
+
+        A fit, not the difference of two neighbours: a size measured once or
+        twice is noisy on a shared machine, and one difference of two noisy
+        points moved the bar below from 0.24 to 0.79 in one trace.
+        """
+        points = self.verify_seconds.get(batch_size, {})
+        if len(points) < 2:
+            return 0.0
+        mean_n = sum(points) / len(points)
+        mean_t = sum(points.values()) / len(points)
+        spread = sum((n - mean_n) ** 2 for n in points)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points.items()) / spread
+        return max(slope, 0.0)
+
+    def break_even_confidence(self, batch_size: int, depth: int) -> float | None:
+        """The acceptance one more draft token needs to pay for itself at ``depth``,
+        or None while a cost is unmeasured.
+
+        One more token (accepted with probability p) turns a step of E tokens
+        in C seconds into E + p tokens in C + c seconds, with c a draft forward
+        and one more verify token (``verify_slope``). That pays when p / c > E /
+        C, so the bar is the step's modelled rate (all its rows) times c, at
+        most 1.
+        """
+        rate = self.throughput(batch_size, depth)
+        draft = self.draft_seconds.get(batch_size)
+        if rate is None or draft is None:
+            return None
+        marginal = draft + self.verify_slope(batch_size)
+        return min(batch_size * rate * marginal, 1.0)
 
     def cost_cap(self, batch_size: int, min_depth: int, max_depth: int) -> int:
         """The modelled best depth in [min_depth, max_depth], or 0 when target-only wins."""

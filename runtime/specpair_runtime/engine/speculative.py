@@ -48,7 +48,11 @@ from typing import Literal
 
 import torch
 
-from specpair_runtime.config import SpeculationKnobs, resolved_draft_confidence
+from specpair_runtime.config import (
+    SpeculationKnobs,
+    measured_draft_confidence,
+    resolved_draft_confidence,
+)
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
 from specpair_runtime.engine.budget import (
     StepTiming,
@@ -339,10 +343,20 @@ class SpeculativeEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    @property
-    def draft_confidence(self) -> float:
-        """The confidence stop's threshold under the current knobs (0 = off)."""
-        return resolved_draft_confidence(self.knobs, self.device.type)
+    def confidence_threshold(self, depth: int) -> float:
+        """The confidence stop's threshold for a step of ``depth`` (0 = off).
+
+        A fixed knob, or, unset with adaptive depth on the CPU, the break-even
+        acceptance of one more draft token from the measured step costs (the
+        device's default until they are measured).
+        """
+        fixed = resolved_draft_confidence(self.knobs, self.device.type)
+        if measured_draft_confidence(self.knobs, self.device.type):
+            decoding = max(sum(1 for r in self._running if r.decoding), 1)
+            measured = self.controller.cost.break_even_confidence(decoding, depth)
+            if measured is not None:
+                return measured
+        return fixed
 
     @property
     def speculation_active(self) -> bool:
@@ -536,7 +550,7 @@ class SpeculativeEngine:
         probs: torch.Tensor | None = None
         generators = [r.request.generator for r in drafting]
         params = self._sampling(drafting, [1] * len(drafting))
-        threshold = self.draft_confidence
+        threshold = self.confidence_threshold(depth)
         # Forward 0: catch-up chunks for every row with draft tokens.
         spans: list[RowSpan] = []
         ids: list[int] = []
