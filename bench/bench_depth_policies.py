@@ -21,6 +21,9 @@ engine's own runners (``bench_forward.measure``), and replays:
   whose draft probability is below ``t``, at most ``c`` tokens;
 - ``confidence 0.5 <=4``: the same rule at the engine's CPU default
   (``draftConfidence``, ``config.DEFAULT_DRAFT_CONFIDENCE``);
+- ``break-even t <=4``: the same rule at the threshold that the engine's
+  default takes from these costs (``CostModel.break_even_confidence``: the
+  rate of fixed depth 4 times a draft forward plus one more verify token);
 - ``product t <=c``: draft until the product of the draft's probabilities
   over the pass (its own estimate that every draft so far is accepted) falls
   below ``t``, at most ``c`` tokens;
@@ -279,6 +282,20 @@ def policies(
     return chosen
 
 
+def break_even_threshold(
+    traces: Sequence[Sequence[DraftPosition]], costs: Costs, depth: int = 4
+) -> float:
+    """The engine's default confidence bar on these costs, at fixed ``depth``'s rate."""
+    from specpair_runtime.engine.depth import CostModel
+
+    model = CostModel()
+    for n, seconds in costs.verify.items():
+        model.record_verify(1, n, seconds)
+    runs = [replay(trace, fixed(depth), costs) for trace in traces]
+    rate = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+    return min(rate * (costs.draft + model.verify_slope(1)), 1.0)
+
+
 @dataclass(frozen=True)
 class PolicyRow:
     name: str
@@ -380,6 +397,8 @@ def main(argv: list[str]) -> int:
     chosen = policies(
         DEFAULT_FIXED, DEFAULT_CAPS, DEFAULT_PRODUCTS, DEFAULT_BRANCHES, schedule=True
     )
+    bar = break_even_threshold(traces, costs)
+    chosen[f"break-even {bar:.2f} <=4"] = confidence_stop(bar, 4)
     print(format_table(replay_table(traces, chosen, costs)))
     return 0
 

@@ -8,6 +8,7 @@ from bench.bench_depth_policies import (
     Costs,
     HeuristicSchedule,
     accepted_run,
+    break_even_threshold,
     confidence_stop,
     fixed,
     format_table,
@@ -188,3 +189,13 @@ def test_bad_flags_name_the_flag(
     with pytest.raises(SystemExit):
         main(flags)
     assert message in capsys.readouterr().err
+
+
+def test_the_break_even_bar_is_fixed_depth_fours_rate_times_one_more_tokens_cost() -> None:
+    traces = [trace("yyynyy"), trace("nnyyyy")]
+    flat = Costs(draft=0.1, verify={n: 1.0 for n in range(1, 7)})
+    runs = [replay(t, fixed(4), flat) for t in traces]
+    rate = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+    assert break_even_threshold(traces, flat) == pytest.approx(rate * 0.1)
+    # Verify tokens that cost more raise the bar (COSTS: 0.2 s each from 4 tokens on).
+    assert break_even_threshold(traces, COSTS) > break_even_threshold(traces, flat)
