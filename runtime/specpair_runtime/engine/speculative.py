@@ -352,8 +352,8 @@ class SpeculativeEngine:
         """
         fixed = resolved_draft_confidence(self.knobs, self.device.type)
         if measured_draft_confidence(self.knobs, self.device.type):
-            decoding = max(sum(1 for r in self._running if r.decoding), 1)
-            measured = self.controller.cost.break_even_confidence(decoding, depth)
+            batch = max(self._decoding_count(), 1)  # the controller's key, as in _plan_depth
+            measured = self.controller.cost.break_even_confidence(batch, depth)
             if measured is not None:
                 return measured
         return fixed
@@ -447,12 +447,16 @@ class SpeculativeEngine:
             request.started = min(request.started, now)
             self._running.append(request)
 
+    def _decoding_count(self) -> int:
+        """Running requests past their prompt (the depth controller keys its costs by it)."""
+        return sum(1 for r in self._running if r.decoding)
+
     def _plan_depth(self) -> tuple[int, str | None]:
         """The step's draft depth, and why it is 0 if it is."""
         off = self.speculation_off_reason
         if off is not None:
             return 0, self._off_label()
-        decoding = sum(1 for r in self._running if r.decoding)
+        decoding = self._decoding_count()
         # Only a step without prompt chunks is timed (``_record``); ``_admit`` ran already.
         plan = self.controller.plan(max(decoding, 1), timed=decoding == len(self._running))
         return plan.cap, plan.reason
