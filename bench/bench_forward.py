@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -90,8 +91,13 @@ def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -
     span = [RowSpan(0, 0, tokens, context)]
     # Untimed: the first call of a shape (on CUDA, cudagraph trees run it
     # eagerly, then record it, and only the third call replays).
+    started = time.perf_counter()
     for _ in range(3 if runner.graphs is not None else 1):
         runner.forward(span, ids, every)
+    _sync(runner.device)
+    warmup = time.perf_counter() - started
+    if warmup > 1.0:  # a compile or a capture: say what it cost
+        print(f"  {tokens} tokens: first calls took {warmup:.1f} s", file=sys.stderr, flush=True)
     samples = []
     for _ in range(repeats):
         _sync(runner.device)
@@ -125,7 +131,10 @@ def measure(
         for _ in range(rounds):
             for name, runner in runners.items():
                 for n in sizes[name]:
-                    samples[name][n].append(time_forward(runner, n, context, repeats))
+                    seconds = time_forward(runner, n, context, repeats)
+                    samples[name][n].append(seconds)
+                    # As it comes, so that a run cut short still says something.
+                    print(f"  {name} {n} tokens: {seconds * 1e3:.1f} ms", file=sys.stderr)
     return samples
 
 
@@ -180,7 +189,12 @@ def format_rows(rows: Sequence[CostRow]) -> str:
 
 
 def pair_and_engine(
-    dirs: Mapping[Role, Path], device: str, quantization: Quantization, max_length: int
+    dirs: Mapping[Role, Path],
+    device: str,
+    quantization: Quantization,
+    max_length: int,
+    *,
+    cuda_graphs: bool = True,
 ) -> tuple[LoadedPair, SpeculativeEngine]:
     """The fetched pair, and a one-slot engine over it whose runners are timed.
 
@@ -197,7 +211,8 @@ def pair_and_engine(
         SpeculationKnobs(),
         device,
     )
-    return pair, pair.engine(options=EngineOptions(max_slots=1, max_length=max_length))
+    options = EngineOptions(max_slots=1, max_length=max_length, cuda_graphs=cuda_graphs)
+    return pair, pair.engine(options=options)
 
 
 def transformers_runners(
@@ -237,15 +252,36 @@ def main(argv: list[str]) -> int:
         help="also time each model through transformers' own forward (rows '<model>-hf'), "
         "on the same modules and kernels, alternating with the engine's loop",
     )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="on CUDA, run every forward eagerly (no captured graphs), to compare with replay",
+    )
+    parser.add_argument(
+        "--shaped-pair",
+        action="store_true",
+        help="time a pair of the real pair's architecture with random weights instead of the "
+        "fetched pair (costs depend on shapes, not values; for machines without the pair)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if args.context < 1:
         parser.error(f"--context must be >= 1, got {args.context}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    dirs = cached_pair_or_report()
-    if dirs is None:
-        return 2
+    with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
+        if args.shaped_pair:
+            from tools.shaped_pair import write_shaped_pair
+
+            dirs: dict[Role, Path] | None = write_shaped_pair(Path(scratch))
+        else:
+            dirs = cached_pair_or_report()
+        if dirs is None:
+            return 2
+        return run(args, dirs)
+
+
+def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
     from specpair_runtime.config import recommended_draft_quantization
     from specpair_runtime.engine.loading import resolve_device
 
@@ -253,14 +289,17 @@ def main(argv: list[str]) -> int:
     # The draft as make bench runs it; the target is never quantized.
     quantization = args.draft_quantization or recommended_draft_quantization(device.type)
     length = args.context + max(args.tokens) + 1
-    _, engine = pair_and_engine(dirs, str(device), quantization, length)
+    _, engine = pair_and_engine(dirs, str(device), quantization, length, cuda_graphs=not args.eager)
     runners: dict[str, ModelRunner] = {"target": engine.target}
     if engine.draft is not None:
         runners["draft"] = engine.draft
     if args.transformers_forward:
         runners.update(transformers_runners(runners, length))
     print(
-        f"device {device} ({engine.target.dtype}), draft quantization {quantization}, "
+        f"{'shaped pair (random weights)' if args.shaped_pair else 'real pair'} on "
+        f"device {device} ({engine.target.dtype}, "
+        f"{'captured graphs' if engine.target.graphs is not None else 'eager'}), "
+        f"draft quantization {quantization}, "
         f"torch threads {torch.get_num_threads()}, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}; "

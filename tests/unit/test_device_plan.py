@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.config import ServingOptions, SpeculationKnobs
@@ -148,15 +149,21 @@ def test_plan_on_a_real_cuda_device() -> None:
     assert result.memory.held_bytes > 0  # the tiny weights sit in the caching allocator
 
 
-def plan_series(state: ServerState) -> list[str]:
+def plan_modes(state: ServerState) -> dict[str, float]:
+    """The ``specpair_device_plan`` gauge's value per ``mode`` label, as exported."""
     text = state.metrics.render().decode()
-    return [line for line in text.splitlines() if line.startswith("specpair_device_plan{")]
+    return {
+        sample.labels["mode"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "specpair_device_plan"
+        for sample in family.samples
+    }
 
 
 def test_the_startup_hook_changes_nothing_on_the_cpu() -> None:
     pair, state = tiny(), bare_server_state({})
     assert apply_device_plan(state, pair) is None
-    assert pair.draft is not None and plan_series(state) == []
+    assert pair.draft is not None and plan_modes(state) == {}
 
 
 @pytest.mark.cuda
@@ -178,4 +185,4 @@ def test_the_startup_hook_drops_a_draft_that_does_not_fit_on_this_gpu() -> None:
     reason = apply_device_plan(state, pair)
     assert reason is not None and reason.startswith("target-only: draft needs "), reason
     assert pair.draft is None and not pair.engine().speculation_active
-    assert 'mode="TargetOnly"} 1.0' in "\n".join(plan_series(state))
+    assert plan_modes(state) == {"Colocated": 0.0, "TargetOnly": 1.0, "DoesNotFit": 0.0}
