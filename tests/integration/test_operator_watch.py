@@ -58,12 +58,26 @@ def namespace(control_plane: ControlPlane, kubectl: Kubectl) -> Iterator[str]:
         yield name
 
 
-def no_namespace_terminating(plane: ControlPlane) -> bool:
+def terminating_namespaces(plane: ControlPlane) -> list[dict[str, Any]]:
     # A namespace being deleted makes the controller-manager list and delete in it.
-    return all(
-        ns.get("status", {}).get("phase") != "Terminating"
+    return [
+        ns
         for ns in items(plane, "/api/v1/namespaces")
-    )
+        if ns.get("status", {}).get("phase") == "Terminating"
+    ]
+
+
+def wait_for_no_namespace_terminating(plane: ControlPlane) -> None:
+    try:
+        wait_for(lambda: not terminating_namespaces(plane), "other tests' namespaces", 120.0)
+    except AssertionError as error:
+        still = {
+            ns["metadata"]["name"]: [
+                c.get("message") for c in ns["status"].get("conditions") or [] if c.get("message")
+            ]
+            for ns in terminating_namespaces(plane)
+        }
+        raise AssertionError(f"{error}; still terminating: {still}") from None
 
 
 def versions(plane: ControlPlane, ns: str) -> dict[str, str]:
@@ -95,7 +109,7 @@ def test_a_quiet_minute_costs_no_status_write_and_at_most_one_request_per_pair_a
         [ns],
         resync_seconds=RESYNC_SECONDS,
     )
-    wait_for(lambda: no_namespace_terminating(control_plane), "other tests' namespaces")
+    wait_for_no_namespace_terminating(control_plane)
     start = apiserver_requests(control_plane)
     time.sleep(WINDOW_SECONDS)
     baseline = delta(apiserver_requests(control_plane), start)

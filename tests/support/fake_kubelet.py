@@ -28,7 +28,9 @@ pod. What it does, every ``poll`` seconds:
   endpoint propagation gives a real pod), sends SIGTERM (the runtime drains),
   and removes the pod once the process is gone.
 
-`stop()` (always called by the fixture) kills every process it started.
+`stop()` (always called by the fixture) kills every process it started and
+removes the pods bound to its node, so that deleting the namespace finishes
+at once.
 """
 
 from __future__ import annotations
@@ -152,7 +154,17 @@ class FakeKubelet:
         for pod in every:
             _kill(pod.process)
         with contextlib.suppress(OSError):
+            self._remove_bound_pods()
             self.plane.api("DELETE", f"/api/v1/nodes/{NODE}")
+
+    def _remove_bound_pods(self) -> None:
+        # Its processes are gone, so nothing would ever finish these pods' deletion:
+        # the pod GC takes a minute or more to reap pods of a deleted node, and the
+        # namespace stays Terminating meanwhile (the next test on this control plane
+        # would see the controller-manager's cleanup traffic).
+        for pod in self._api("GET", self._pods_path()).get("items") or []:
+            if pod["spec"].get("nodeName") == NODE:
+                self._finish_delete(pod["metadata"]["name"], pod["metadata"]["uid"])
 
     def pod_by_name(self, name: str) -> RunningPod | None:
         with self._lock:
