@@ -279,7 +279,10 @@ class Rollout(ContractModel):
         default=1800,
         ge=30,
         le=604800,
-        description="Time the startupProbe allows for loading the models and golden prompts.",
+        description=(
+            "Time the startupProbe allows for loading the models, the golden prompts and, "
+            "on CUDA, the graph warm-up."
+        ),
     )
 
 

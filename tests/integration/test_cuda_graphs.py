@@ -15,9 +15,17 @@ from torch._guards import TracingContext
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
-from specpair_runtime.engine.graphs import DYNAMIC_SHAPES, GraphStep, graph_shapes, row_bucket
+from specpair_runtime.engine.graphs import (
+    DYNAMIC_SHAPES,
+    GraphStep,
+    graph_shapes,
+    row_bucket,
+    step_shapes,
+)
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
+from specpair_runtime.server.readiness import Readiness
+from specpair_runtime.server.startup import warm_up_graphs
 
 TEXTS = ["Hello, how can I help", "My order has not", "def add(a, b):\n    return", "x"]
 GREEDY = SamplingParams(max_new_tokens=24)
@@ -181,3 +189,86 @@ def test_every_step_shape_stays_compiled(dynamic: bool | None) -> None:
             tokens = [r.token_ids for r in generate(engine, prompts, GREEDY)]
             assert tokens == outputs.setdefault(batch, tokens)  # the same at every depth
     assert len(compiled) > (8 if dynamic is False else 1)
+
+
+def test_the_warm_up_compiles_every_shape_that_serving_then_takes() -> None:
+    """After ``warm_up_graphs`` no request waits for a compile.
+
+    Compiled for real by dynamo (a counting backend in place of inductor, which
+    needs CUDA for graphs): the warm-up runs every (bucket, tokens per row)
+    shape, and then batches of 1-6 requests, greedy and sampled, with adaptive
+    depth and uniform prefill chunks, compile nothing new. The warm-up writes
+    only the scratch slot, so the greedy tokens stay the eager ones.
+    """
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    texts = [*TEXTS, "The refund will appear", "a b c d e f g h"]
+    options = EngineOptions(max_slots=8, max_length=160)
+    knobs = SpeculationKnobs(max_depth=4, min_depth=1, adaptive=True)
+    eager = SpeculativeEngine(as_loaded(pair.target, tok, "t"), None, knobs, options=options)
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "t"),
+        as_loaded(pair.draft, tok, "d"),
+        knobs,
+        options=options,
+        cpu_kernels="default",
+    )
+    assert engine.draft is not None
+    compiles: list[int] = []
+    taken: set[tuple[int, int]] = set()
+
+    def count(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        compiles.append(1)
+        return gm.forward
+
+    for runner in (engine.target, engine.draft):
+        step = GraphStep(runner)
+        compiled = torch.compile(step._forward, backend=count, dynamic=DYNAMIC_SHAPES)
+
+        def recorded(*args: Any, _compiled: Any = compiled) -> torch.Tensor:
+            taken.add((args[1].shape[0], args[3]))  # (rows after padding, tokens per row)
+            return _compiled(*args)  # type: ignore[no-any-return]
+
+        step._compiled = recorded  # type: ignore[assignment]
+        runner.graphs = step
+    readiness = Readiness()
+    warm_up_graphs(readiness, engine)
+    assert readiness.state.phase == "warming_up"
+    assert taken == set(step_shapes(8)) and compiles
+    warmed = len(compiles)
+    taken.clear()
+    for batch in (1, 2, 5, 6):
+        prompts = [tok(t)["input_ids"] for t in texts[:batch]]
+        expected = [r.token_ids for r in generate(eager, prompts, GREEDY)]
+        assert [r.token_ids for r in generate(engine, prompts, GREEDY)] == expected
+        generate(engine, prompts, SamplingParams(max_new_tokens=24, temperature=1.0, seed=batch))
+    assert taken and len(compiles) == warmed, f"{len(compiles) - warmed} compiles after warm-up"
+
+
+def test_a_server_without_graph_steps_skips_the_warm_up() -> None:
+    pair = build_pair("llama", seed=0)
+    target = as_loaded(pair.target, pair.tokenizer, "t")
+    engine = SpeculativeEngine(target, None, FIXED, options=EngineOptions(max_slots=2))
+    readiness = Readiness()
+    warm_up_graphs(readiness, engine)  # on the CPU: nothing to capture
+    assert engine.warm_up_graphs() == 0
+    assert readiness.state.phase == "loading"
+
+
+@pytest.mark.cuda
+def test_after_the_warm_up_cuda_steps_replay_without_compiling() -> None:
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    cuda = torch.device("cuda")
+    pair.target.to(cuda)  # type: ignore[arg-type]
+    pair.draft.to(cuda)  # type: ignore[arg-type]
+    target = dataclasses.replace(as_loaded(pair.target, tok, "t"), device=cuda)
+    draft = dataclasses.replace(as_loaded(pair.draft, tok, "d"), device=cuda)
+    options = EngineOptions(max_slots=4, max_length=128, cuda_graphs=True)
+    engine = SpeculativeEngine(target, draft, FIXED, options=options)
+    assert engine.warm_up_graphs() == 2 * graph_shapes(4)
+    counters.clear()
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    assert all(r.token_ids for r in generate(engine, prompts, GREEDY))
+    assert counters["stats"]["unique_graphs"] == 0  # nothing compiled after the warm-up
+    assert counters["inductor"]["cudagraph_skips"] == 0

@@ -10,7 +10,13 @@ graph may write it in place. So one graph per (bucket, tokens per row)
 is captured and replayed (``DYNAMIC_SHAPES``: a few compiles serve them all).
 Padded rows write into the storage's scratch slot.
 
-Prefill chunks (ragged lengths) run eagerly through the varlen attention.
+Prefill chunks (ragged lengths) run eagerly through the varlen attention;
+a chunk of rows of one length up to ``MAX_GRAPH_TOKENS_PER_ROW`` is uniform
+and takes the graph path too.
+
+``warm_up`` compiles and captures every shape before the first request: on
+an H200 one compile of the 1.5B target took 48-71 s, a stall that no
+request should wait through.
 """
 
 from __future__ import annotations
@@ -39,10 +45,25 @@ def row_bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def row_buckets(slots: int) -> list[int]:
+    """Every row bucket that a step over at most ``slots`` rows can take: 1, 2, 4, ..."""
+    return [1 << power for power in range(row_bucket(slots).bit_length())]
+
+
+def step_shapes(slots: int) -> list[tuple[int, int]]:
+    """Every (row bucket, tokens per row) shape of one model's graph steps."""
+    tokens = range(1, MAX_GRAPH_TOKENS_PER_ROW + 1)
+    return [(bucket, q_len) for bucket in row_buckets(slots) for q_len in tokens]
+
+
 def graph_shapes(slots: int) -> int:
     """How many (row bucket, tokens per row) shapes one model's steps can take."""
-    buckets = row_bucket(slots).bit_length()  # 1, 2, 4, ... up to the bucket of ``slots``
-    return buckets * MAX_GRAPH_TOKENS_PER_ROW
+    return len(step_shapes(slots))
+
+
+# cudagraph trees run a new shape once uncaptured (warm-up) and record it on the
+# next call; later calls replay.
+CAPTURE_CALLS = 2
 
 
 _reserved_entries = 0  # compiled shapes that this process's GraphSteps may need
@@ -107,20 +128,39 @@ class GraphStep:
     def __call__(
         self, rows: list[RowSpan], input_ids: torch.Tensor, sample_index: torch.Tensor
     ) -> torch.Tensor:
-        storage = self.runner.allocate()
-        # The step writes KV into the storage in place. CUDA graph trees capture a
-        # graph only when every input it mutates keeps its address (parameters, or
-        # tensors marked so); unmarked, they would skip capture and run it uncaptured.
-        torch._dynamo.mark_static_address(storage.tensor)
+        scratch = self.runner.allocate().scratch_slot
         q_len = rows[0].q_len
-        bucket = row_bucket(len(rows))
-        padding = bucket - len(rows)
-        slots = [r.slot for r in rows] + [storage.scratch_slot] * padding
+        padding = row_bucket(len(rows)) - len(rows)
+        slots = [r.slot for r in rows] + [scratch] * padding
         positions = [r.position for r in rows] + [0] * padding
-        meta = torch.tensor([slots, positions], dtype=torch.long).to(self.runner.device)
         ids = torch.cat([input_ids, input_ids.new_zeros(padding * q_len)])
-        with model_attention(self.runner.model):
-            logits = self._compiled(ids, meta[0], meta[1], q_len)
+        logits = self._run(ids, slots, positions, q_len)
         # Padded rows sit after the real ones, so the flat indices are unchanged;
         # index_select copies out of the graph's reused output buffer.
         return logits.index_select(0, sample_index)
+
+    def warm_up(self) -> int:
+        """Compile and capture every step shape now; returns how many shapes.
+
+        Every row is a padded one (the scratch slot at position 0), so no
+        request's KV is touched.
+        """
+        scratch = self.runner.allocate().scratch_slot
+        shapes = step_shapes(self.runner.slots)
+        for bucket, q_len in shapes:
+            ids = torch.zeros(bucket * q_len, dtype=torch.long, device=self.runner.device)
+            for _ in range(CAPTURE_CALLS):
+                self._run(ids, [scratch] * bucket, [0] * bucket, q_len)
+        return len(shapes)
+
+    def _run(
+        self, ids: torch.Tensor, slots: list[int], positions: list[int], q_len: int
+    ) -> torch.Tensor:
+        # The step writes KV into the storage in place. CUDA graph trees capture a
+        # graph only when every input it mutates keeps its address (parameters, or
+        # tensors marked so); unmarked, they would skip capture and run it uncaptured.
+        torch._dynamo.mark_static_address(self.runner.allocate().tensor)
+        meta = torch.tensor([slots, positions], dtype=torch.long).to(self.runner.device)
+        with model_attention(self.runner.model):
+            logits: torch.Tensor = self._compiled(ids, meta[0], meta[1], q_len)
+        return logits

@@ -404,6 +404,20 @@ class SpeculativeEngine:
     def draft_storage_allocated(self) -> bool:
         return self.draft is not None and self.draft.storage is not None
 
+    def warm_up_graphs(self) -> int:
+        """Compile and capture every graph step shape of both models; returns how many.
+
+        0 where no model runs graph steps (the CPU, or ``cuda_graphs`` off).
+        Under ``inference_mode`` as ``step`` runs, since the compiled code is
+        guarded on it.
+        """
+        with torch.inference_mode():
+            return sum(
+                runner.graphs.warm_up()
+                for runner in (self.target, self.draft)
+                if runner is not None and runner.graphs is not None
+            )
+
     def step(self) -> list[StepEvent]:
         self.last_step = None
         self._steps += 1

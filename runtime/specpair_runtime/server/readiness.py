@@ -1,7 +1,8 @@
 """Readiness: what /readyz reports while the pair loads and checks itself.
 
-Ready only after both models are loaded, the alignment check passes and,
-when configured, the golden prompts pass. Until then the body says why.
+Ready only after both models are loaded, the alignment check passes,
+when configured the golden prompts pass, and on CUDA every graph step shape
+is captured. Until then the body says why.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-Phase = Literal["loading", "checking_alignment", "golden_prompts", "ready", "failed", "draining"]
+Phase = Literal[
+    "loading", "checking_alignment", "golden_prompts", "warming_up", "ready", "failed", "draining"
+]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specpair_runtime.config import ConfigError
 from specpair_runtime.engine.device_plan import drop_draft, plan_on_device
@@ -18,9 +20,13 @@ from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.golden import load_golden
 from specpair_runtime.server.memory import MemoryProbe
+from specpair_runtime.server.readiness import Readiness
 from specpair_runtime.server.reload import ConfigWatcher
 from specpair_runtime.server.scheduler import Scheduler
 from specpair_runtime.server.state import ServerState
+
+if TYPE_CHECKING:
+    from specpair_runtime.engine.speculative import SpeculativeEngine
 
 log = logging.getLogger("specpair.startup")
 
@@ -67,6 +73,19 @@ def apply_device_plan(state: ServerState, pair: LoadedPair) -> str | None:
     return plan.reason
 
 
+def warm_up_graphs(readiness: Readiness, engine: SpeculativeEngine) -> None:
+    """Capture every graph step shape before /readyz says ready (CUDA graphs only).
+
+    Compiled lazily, the first requests of a new pod would wait minutes.
+    """
+    if engine.target.graphs is None:
+        return
+    readiness.set("warming_up", "compiling and capturing CUDA graphs for every step shape")
+    start = time.perf_counter()
+    shapes = engine.warm_up_graphs()
+    log.info("captured %d graph step shapes in %.1f s", shapes, time.perf_counter() - start)
+
+
 def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> None:
     """Load, check and start the engine thread; readiness says how far it got."""
     config = state.config
@@ -92,8 +111,10 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
             state.probe = MemoryProbe(str(pair.target.device))
         state.max_model_length = model_length_limit(pair, config.serving.max_model_length)
         state.tokenizer = pair.target.tokenizer
+        engine = pair.engine()
+        warm_up_graphs(state.readiness, engine)
         scheduler = Scheduler(
-            engine=pair.engine(),
+            engine=engine,
             knobs=config.speculation,
             metrics=state.metrics,
             probe=state.probe,
