@@ -19,14 +19,15 @@ engine's own runners (``bench_forward.measure``), and replays:
 - ``confidence t <=c``: HF assisted generation's rule (transformers'
   ``assistant_confidence_threshold``, 0.4 by default): draft until a token
   whose draft probability is below ``t``, at most ``c`` tokens;
-- ``confidence 0.5 <=4``: the same rule at the engine's CPU default
-  (``draftConfidence``, ``config.DEFAULT_DRAFT_CONFIDENCE``);
-- ``break-even t <=4``: the same rule at the threshold that the engine's
-  default takes from these costs (``CostModel.break_even_confidence``: the
-  rate of fixed depth 4 times a draft forward plus one more verify token);
 - ``product t <=c``: draft until the product of the draft's probabilities
   over the pass (its own estimate that every draft so far is accepted) falls
-  below ``t``, at most ``c`` tokens;
+  below ``t``, at most ``c`` tokens: the engine's stop since stop 36;
+- ``product 0.5 <=4``: that rule at the engine's CPU default
+  (``draftConfidence``, ``config.DEFAULT_DRAFT_CONFIDENCE``);
+- ``break-even t <=c``: that rule at the threshold that the engine's
+  default takes from these costs (``CostModel.break_even_confidence``: the
+  rate of fixed depth 4 times a draft forward plus one more verify token),
+  at the default ``maxDepth`` (4) and at 8;
 - ``schedule``: transformers' ``num_assistant_tokens_schedule="heuristic"``:
   start at 5 tokens, 2 more after a pass that accepted every draft, 1 fewer
   after one that did not (at least 1, here at most 8), with the 0.4
@@ -266,8 +267,8 @@ def policies(
     for cap in caps:
         chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
     engine = DEFAULT_DRAFT_CONFIDENCE["cpu"]
-    if engine != HF_CONFIDENCE and 4 in caps:
-        chosen[f"confidence {engine} <=4"] = confidence_stop(engine, 4)
+    if 4 in caps:  # the engine's rule (a product, since stop 36) at its CPU default
+        chosen[f"product {engine} <=4"] = product_stop(engine, 4)
     for threshold in products:
         for cap in caps:
             chosen[f"product {threshold} <={cap}"] = product_stop(threshold, cap)
@@ -398,7 +399,8 @@ def main(argv: list[str]) -> int:
         DEFAULT_FIXED, DEFAULT_CAPS, DEFAULT_PRODUCTS, DEFAULT_BRANCHES, schedule=True
     )
     bar = break_even_threshold(traces, costs)
-    chosen[f"break-even {bar:.2f} <=4"] = confidence_stop(bar, 4)
+    for cap in DEFAULT_CAPS:  # the engine's rule at its default maxDepth (4), and deeper
+        chosen[f"break-even {bar:.2f} <={cap}"] = product_stop(bar, cap)
     print(format_table(replay_table(traces, chosen, costs)))
     return 0
 

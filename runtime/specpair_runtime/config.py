@@ -120,10 +120,11 @@ class SpeculationKnobs(ContractModel):
         ge=0.0,
         le=1.0,
         description=(
-            "A request stops drafting in a step once the draft's probability of its "
-            "last drafted token is below this (0 disables). Default on the CPU with "
-            "adaptive depth: the break-even acceptance of one more draft token from the "
-            "measured step costs (0.5 until measured); off on CUDA and with a fixed depth."
+            "A request stops drafting in a step once the product of the draft's "
+            "probabilities of its drafts so far is below this (0 disables). Default on "
+            "the CPU with adaptive depth: the break-even acceptance of one more draft "
+            "token from the measured step costs (0.5 until measured); off on CUDA and "
+            "with a fixed depth."
         ),
     )
     disable_above_batch_size: int | None = Field(

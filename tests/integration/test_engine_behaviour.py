@@ -7,6 +7,7 @@ import torch
 from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
 from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, SpeculationKnobs
+from specpair_runtime.engine import speculative
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
 from specpair_runtime.engine.options import EngineOptions
@@ -574,6 +575,32 @@ def test_the_draft_confidence_stop_keeps_greedy_output(
         assert per_step == 1.0
     else:  # rows of one batch stop at different positions
         assert 1.0 < per_step < 2.5
+
+
+def test_the_stop_reads_the_product_of_the_drafts_probabilities(
+    pair: TinyPair,
+    prompts: list[list[int]],
+    alone: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A token pays only if every draft before it is accepted: the stop reads the product.
+
+    With every drafted token at probability 0.8 and a threshold of 0.6, each
+    token alone is sure, but the product falls to 0.512 at the third: rows
+    draft 3 tokens (of depth 6) and stop there; the single token's probability
+    would never stop them.
+    """
+
+    def sure_at(logits: torch.Tensor, tokens: torch.Tensor, *_: object) -> torch.Tensor:
+        return torch.full(tokens.shape, 0.8)
+
+    monkeypatch.setattr(speculative, "draft_confidence", sure_at)
+    knobs = SpeculationKnobs(max_depth=6, min_depth=6, adaptive=False, draft_confidence=0.6)
+    results = generate(_engine(pair, knobs), prompts, GREEDY)
+    assert [r.token_ids for r in results] == alone
+    for result in results:  # 3 drafts a step, fewer only near max_new_tokens
+        assert result.stats.drafted_tokens <= 3 * result.stats.speculation_steps
+    assert _drafts_per_step(results) > 2.5
 
 
 def test_the_default_stop_follows_the_measured_costs(

@@ -51,7 +51,8 @@ by being cut short, not by wasted verify work):
 
 Within the step's depth, each row may stop sooner: the engine's
 draft-confidence stop (``draftConfidence``, ``speculative.py``) ends a row's
-drafts once the draft is unsure of its token; unset, its threshold is
+drafts once the product of the draft's probabilities of its drafts so far
+(the draft's estimate that all of them are accepted) is below the threshold; unset, its threshold is
 ``CostModel.break_even_confidence``, the acceptance one more draft token needs
 to pay for itself at the measured costs. So acceptance per position is
 counted over the rows that reached it, and a step is timed at the depth its
@@ -251,8 +252,10 @@ class CostModel:
         """The acceptance one more draft token needs to pay for itself at ``depth``,
         or None while a cost is unmeasured.
 
-        One more token (accepted with probability p) turns a step of E tokens
-        in C seconds into E + p tokens in C + c seconds, with c a draft forward
+        One more token (taken with probability p: it and every draft before
+        it accepted, which the engine reads as the product of the draft's
+        probabilities) turns a step of E tokens in C seconds into E + p tokens
+        in C + c seconds, with c a draft forward
         and one more verify token (``verify_slope``). That pays when p / c > E /
         C, so the bar is the step's modelled rate (all its rows) times c, at
         most 1.

@@ -10,7 +10,8 @@ A step, for every running request at once (``plan.py`` decides the shapes):
    row catches its draft up by a chunk. Forwards 1..k-1 feed one drafted
    token per row that still drafts. A row near ``max_new_tokens`` drafts
    fewer tokens (it leaves the later forwards), never wasted ones, and so
-   does a row whose draft is unsure of its last token (``draftConfidence``).
+   does a row whose drafts so far the draft itself expects to be rejected
+   (the product of its probabilities below ``draftConfidence``).
 4. Target: ONE flat forward over every row's tokens: ``[last, d1..dn]`` for a
    decoding row, a prompt chunk for a prefilling row (the token budget,
    ``budget.py``, bounds the chunks, so admissions never stall the running
@@ -569,6 +570,8 @@ class SpeculativeEngine:
         generators = [r.request.generator for r in drafting]
         params = self._sampling(drafting, [1] * len(drafting))
         threshold = self.confidence_threshold(depth)
+        # Per drafting row, the draft's estimate that all its drafts so far are accepted.
+        reach = [1.0] * len(drafting)
         # Forward 0: catch-up chunks for every row with draft tokens.
         spans: list[RowSpan] = []
         ids: list[int] = []
@@ -606,12 +609,16 @@ class SpeculativeEngine:
                 probs[where] = step_probs
             following = [i for i in active if drafting[i].num_draft > position + 1]
             if following and threshold > 0.0:
-                # The confidence stop: a row the draft is unsure of drafts no further
-                # (its unsure token is still verified), so no forward or verify slot is
-                # spent on tokens that are likely rejected. A host read, on the CPU free.
-                sure = draft_confidence(fitted, drafted, step_probs, step_params) >= threshold
-                for i, keep in zip(active, sure.tolist(), strict=True):
-                    if not keep and drafting[i].num_draft > position + 1:
+                # The confidence stop: a row drafts no further once the draft's estimate
+                # that all its drafts so far are accepted (the product of its
+                # probabilities) is below the threshold; the last token is still
+                # verified. A token pays only if every one before it is accepted, so the
+                # single token's probability overrated deep positions (depth rule 5 in
+                # architecture.md). A host read, on the CPU free.
+                confidence = draft_confidence(fitted, drafted, step_probs, step_params)
+                for i, sure in zip(active, confidence.tolist(), strict=True):
+                    reach[i] *= sure
+                    if reach[i] < threshold and drafting[i].num_draft > position + 1:
                         drafting[i].num_draft = position + 1
                 following = [i for i in following if drafting[i].num_draft > position + 1]
             if not following:
