@@ -22,6 +22,7 @@ from specpair_runtime.engine.graphs import (
     row_bucket,
     step_shapes,
 )
+from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
 from specpair_runtime.server.readiness import Readiness
@@ -42,8 +43,8 @@ def test_graph_shapes_count_every_bucket_and_verify_length() -> None:
     assert graph_shapes(8) == 4 * 17
 
 
-@pytest.mark.cuda
-def test_graph_steps_give_the_eager_greedy_tokens() -> None:
+def tiny_pair_on_cuda() -> tuple[LoadedModel, LoadedModel, list[list[int]]]:
+    """The tiny pair on the GPU: (target, draft, the prompts of ``TEXTS``)."""
     pair = build_pair("llama", seed=0)
     tok = pair.tokenizer
     cuda = torch.device("cuda")
@@ -51,7 +52,12 @@ def test_graph_steps_give_the_eager_greedy_tokens() -> None:
     pair.draft.to(cuda)  # type: ignore[arg-type]
     target = dataclasses.replace(as_loaded(pair.target, tok, "t"), device=cuda)
     draft = dataclasses.replace(as_loaded(pair.draft, tok, "d"), device=cuda)
-    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    return target, draft, [tok(t)["input_ids"] for t in TEXTS]
+
+
+@pytest.mark.cuda
+def test_graph_steps_give_the_eager_greedy_tokens() -> None:
+    target, draft, prompts = tiny_pair_on_cuda()
 
     def run(graphs: bool, with_draft: bool) -> list[list[int]]:
         options = EngineOptions(max_slots=4, max_length=128, cuda_graphs=graphs)
@@ -257,18 +263,11 @@ def test_a_server_without_graph_steps_skips_the_warm_up() -> None:
 
 @pytest.mark.cuda
 def test_after_the_warm_up_cuda_steps_replay_without_compiling() -> None:
-    pair = build_pair("llama", seed=0)
-    tok = pair.tokenizer
-    cuda = torch.device("cuda")
-    pair.target.to(cuda)  # type: ignore[arg-type]
-    pair.draft.to(cuda)  # type: ignore[arg-type]
-    target = dataclasses.replace(as_loaded(pair.target, tok, "t"), device=cuda)
-    draft = dataclasses.replace(as_loaded(pair.draft, tok, "d"), device=cuda)
+    target, draft, prompts = tiny_pair_on_cuda()
     options = EngineOptions(max_slots=4, max_length=128, cuda_graphs=True)
     engine = SpeculativeEngine(target, draft, FIXED, options=options)
     assert engine.warm_up_graphs() == 2 * graph_shapes(4)
     counters.clear()
-    prompts = [tok(t)["input_ids"] for t in TEXTS]
     assert all(r.token_ids for r in generate(engine, prompts, GREEDY))
     assert counters["stats"]["unique_graphs"] == 0  # nothing compiled after the warm-up
     assert counters["inductor"]["cudagraph_skips"] == 0
