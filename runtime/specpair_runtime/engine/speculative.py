@@ -612,9 +612,9 @@ class SpeculativeEngine:
                 # The confidence stop: a row drafts no further once the draft's estimate
                 # that all its drafts so far are accepted (the product of its
                 # probabilities) is below the threshold; the last token is still
-                # verified. A token pays only if every one before it is accepted, so the
-                # single token's probability overrated deep positions (depth rule 5 in
-                # architecture.md). A host read, on the CPU free.
+                # verified. A token pays only if every one before it is accepted, as the
+                # break-even bar assumes (depth rule 5 in architecture.md). A host read,
+                # on the CPU free.
                 confidence = draft_confidence(fitted, drafted, step_probs, step_params)
                 for i, sure in zip(active, confidence.tolist(), strict=True):
                     reach[i] *= sure
