@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from tools.tiny_models import build_tokenizer
+from tools.tiny_models import build_tokenizer, save_model, special_token_ids
 
 if TYPE_CHECKING:
     from tools.fetch_models import Role
@@ -48,8 +48,10 @@ REAL_PAIR_SHAPES: Mapping[Role, QwenShape] = {
 }
 
 
-def shaped_config(shape: QwenShape, dtype: torch.dtype) -> Qwen2Config:
-    tokenizer = build_tokenizer()
+def shaped_config(
+    shape: QwenShape, dtype: torch.dtype, tokenizer: PreTrainedTokenizerFast
+) -> Qwen2Config:
+    """A Qwen2 config of ``shape`` whose special tokens are ``tokenizer``'s."""
     return Qwen2Config(
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -61,9 +63,7 @@ def shaped_config(shape: QwenShape, dtype: torch.dtype) -> Qwen2Config:
         max_position_embeddings=32768,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **special_token_ids(tokenizer),
         dtype=dtype,
     )
 
@@ -85,13 +85,10 @@ def write_shaped_pair(
     init_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dirs: dict[Role, Path] = {}
     for offset, (role, shape) in enumerate(shapes.items()):
-        directory = root / role
         torch.manual_seed(seed + offset)
         with init_device:
-            model = Qwen2ForCausalLM(shaped_config(shape, dtype))
+            model = Qwen2ForCausalLM(shaped_config(shape, dtype, tokenizer))
             torch.nn.Module.to(model, dtype)  # transformers' typed ``to`` hides this overload
-        model.save_pretrained(directory)
+        dirs[role] = save_model(model, tokenizer, root / role)
         del model
-        tokenizer.save_pretrained(directory)
-        dirs[role] = directory
     return dirs

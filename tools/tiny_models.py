@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -147,6 +147,23 @@ def _final_norm_weight(model: PreTrainedModel) -> torch.nn.Parameter:
     raise TypeError(f"unsupported model class {type(model).__name__}")
 
 
+class SpecialTokenIds(TypedDict):
+    """The config fields that name a tokenizer's special tokens."""
+
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerFast) -> SpecialTokenIds:
+    """``tokenizer``'s special token ids, as a model config names them."""
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def _llama_layout(
     tokenizer: PreTrainedTokenizerFast,
     *,
@@ -166,9 +183,7 @@ def _llama_layout(
         "num_key_value_heads": kv_heads,
         "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
+        **special_token_ids(tokenizer),
     }
 
 
@@ -242,9 +257,7 @@ def build_gpt2(
         n_embd=hidden,
         n_layer=layers,
         n_head=heads,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **special_token_ids(tokenizer),
     )
     torch.manual_seed(seed)
     return _peaky(GPT2LMHeadModel(config), seed, logit_scale)  # type: ignore[return-value]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from tools.shaped_pair import REAL_PAIR_SHAPES, QwenShape, shaped_config, write_shaped_pair
+from tools.tiny_models import build_tokenizer
 from transformers import AutoConfig
 
 from specpair_runtime.config import ModelSpec, SpeculationKnobs
@@ -54,7 +55,7 @@ def test_a_written_pair_loads_as_an_aligned_pair_of_the_given_shapes(tmp_path: P
 
 
 def test_the_config_keeps_the_shape() -> None:
-    config = shaped_config(REAL_PAIR_SHAPES["target"], torch.bfloat16)
+    config = shaped_config(REAL_PAIR_SHAPES["target"], torch.bfloat16, build_tokenizer())
     assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (
         1536,
         28,
