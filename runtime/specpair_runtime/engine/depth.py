@@ -15,19 +15,30 @@ by being cut short, not by wasted verify work):
 3. ``cost_cap`` (only with ``adaptive``): the depth with the best measured
    throughput. The engine times its steps: seconds per draft forward
    ``t_d``, and seconds per target forward over n query tokens ``t_v(n)``
-   (n = 1 is a plain target-only step), per batch size, each the minimum of
-   its last ``TIMING_WINDOW`` samples (noise on a shared machine only adds).
+   (n = 1 is a plain target-only step), per batch size; ``t_d`` is the
+   minimum of its last ``TIMING_WINDOW`` samples (noise on a shared machine
+   only adds), ``t_v`` is below.
    With the acceptance rate a_i of draft position i (given that every
    earlier one was accepted, decayed counts; a position with few samples
    leans on the one before it, ``PRIOR_WEIGHT`` pseudo-counts of its rate,
    since acceptance runs in streaks: once the draft is right it tends to
    stay right), the expected tokens per step
    at depth d are ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` and the modelled
-   throughput is ``E(d) / (d * t_d + t_v(d + 1))``. An unmeasured ``t_v(n)``
-   takes the next measured value above it, and is held flat beyond the
-   largest one (on oneDNN a 9-token verify costs about what a 3-token one
-   does), so deeper depths get tried and measured and shallower ones win
-   only on measured cost or falling acceptance. The
+   throughput is ``E(d) / (d * t_d + t_v(d + 1))``. A verify (n >= 2) costs
+   ``t_v(n) = level + slope * n``, one line through the last
+   ``VERIFY_SAMPLES`` verify timings of all sizes: the slope is their
+   Theil-Sen estimate (the median of the pairwise slopes, at least 0), the
+   level the minimum of the last ``TIMING_WINDOW`` samples' residuals.
+   Each size's own minimum was compared before: on a shared machine whose
+   speed drifts, a size timed once in a fast moment looked a third cheaper
+   than the others, and the cap sat at depth 1 for 15 steps of a 32-token
+   run (docs/benchmarks.md, stop 37). A pooled line cannot favour one size
+   by luck: a fast moment lowers the level of every depth alike. A
+   target-only step (``t_v(1)``) keeps its own minimum: it is the baseline
+   that speculation is compared with, timed only in rare probes, and on
+   CUDA a 1-token step runs another kernel than a verify. With one size
+   measured the line is flat, so deeper depths get tried and measured, and
+   shallower ones win only on a measured slope or falling acceptance. The
    cap is the best d. Only after ``MIN_VERDICT_STEPS`` speculation steps
    (one noisy timing must not switch speculation off) and when target-only
    (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the cap
@@ -61,7 +72,9 @@ rows really drafted.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specpair_runtime.config import SpeculationKnobs
@@ -78,6 +91,7 @@ MIN_VERDICT_STEPS = 16  # speculation steps measured before "not paying" may be 
 NOT_PAYING_MARGIN = 1.05  # target-only must win by 5% to switch speculation off
 PRIOR_WEIGHT = 4.0  # pseudo-counts of the previous position's rate in a position's estimate
 EXPLORE_EVERY = 8  # speculation steps between steps at the batch cap (when the cap is lower)
+VERIFY_SAMPLES = 32  # verify timings (n >= 2 tokens) per batch size that the cost line is fitted to
 
 
 def batch_depth_cap(batch_size: int, knobs: SpeculationKnobs) -> int:
@@ -134,34 +148,38 @@ def expected_tokens(acceptance: list[float], depth: int) -> float:
     return total
 
 
-def interpolate(points: dict[int, float], n: int) -> float | None:
-    """t(n) from measured points: exact; between two, the one above; flat above the largest.
+def theil_sen_slope(samples: Sequence[tuple[int, float]]) -> float:
+    """The median of the pairwise slopes of ``(n, seconds)`` samples; 0 with one size.
 
-    Between measured points the next one above is used, not a line: a verify
-    of a few more tokens costs about the same as a memory-bound step (oneDNN
-    on the CPU is a step function: 2-9 rows cost alike; so is a GPU), and a
-    line through t(1) makes every shallower depth look cheap and pulls the
-    depth down on noise. Only measured costs and acceptance make a shallower
-    depth win.
+    Robust to a minority of spikes (a neighbour's job doubling some steps),
+    which a least-squares slope through few sizes follows.
     """
-    if n in points:
-        return points[n]
-    if not points:
-        return None
-    xs = sorted(points)
-    if len(xs) == 1:
-        return points[xs[0]]
-    below = [x for x in xs if x < n]
-    above = [x for x in xs if x > n]
-    if not above:  # beyond the largest measured n: flat (optimistic, so it gets measured)
-        return points[below[-1]]
-    if below:
-        return points[above[0]]
-    lo, hi = above[0], above[1]  # below the smallest measured n: extrapolate
-    if lo == hi:
-        return points[lo]
-    slope = (points[hi] - points[lo]) / (hi - lo)
-    return max(points[lo] + slope * (n - lo), 0.0)
+    points = list(samples)
+    slopes = [
+        (t_j - t_i) / (n_j - n_i)
+        for i, (n_i, t_i) in enumerate(points)
+        for n_j, t_j in points[i + 1 :]
+        if n_j != n_i
+    ]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+@dataclass(frozen=True)
+class VerifyLine:
+    """``t_v(n) = level + slope * n`` seconds for a verify of n >= 2 tokens."""
+
+    level: float
+    slope: float
+
+    @staticmethod
+    def fit(samples: Sequence[tuple[int, float]]) -> VerifyLine:
+        """The line through recent ``(n, seconds)`` samples (oldest first)."""
+        slope = max(theil_sen_slope(samples), 0.0)
+        recent = list(samples)[-TIMING_WINDOW:]
+        return VerifyLine(min(seconds - slope * n for n, seconds in recent), slope)
+
+    def seconds(self, n: int) -> float:
+        return max(self.level + self.slope * n, 0.0)  # extrapolated below the sizes measured
 
 
 @dataclass
@@ -170,6 +188,8 @@ class CostModel:
 
     draft_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> s/forward
     verify_seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # B -> n -> s
+    verify_samples: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # n >= 2
+    verify_lines: dict[int, VerifyLine] = field(default_factory=dict)  # B -> fitted line
     reached: list[float] = field(default_factory=list)  # position i drafted, all before accepted
     accepted: list[float] = field(default_factory=list)  # position i accepted
     steps_since_target_probe: int = 0
@@ -189,6 +209,10 @@ class CostModel:
         table[query_tokens] = _windowed_min(window, seconds)
         if query_tokens == 1:
             self.steps_since_target_probe = 0
+            return
+        pooled = self.verify_samples.setdefault(batch_size, deque(maxlen=VERIFY_SAMPLES))
+        pooled.append((query_tokens, seconds))
+        self.verify_lines[batch_size] = VerifyLine.fit(pooled)
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         """One row's outcome: ``accepted`` leading tokens of ``drafted``."""
@@ -219,34 +243,26 @@ class CostModel:
 
     def throughput(self, batch_size: int, depth: int) -> float | None:
         """Modelled tokens per second per row at ``depth`` (0 = target-only)."""
-        table = self.verify_seconds.get(batch_size, {})
-        verify = interpolate(table, depth + 1)
-        if verify is None:
-            return None
         if depth == 0:
-            return 1.0 / verify if verify > 0 else None
+            single = self.verify_seconds.get(batch_size, {}).get(1)
+            return 1.0 / single if single else None
+        line = self.verify_lines.get(batch_size)
         draft = self.draft_seconds.get(batch_size)
-        if draft is None:
+        if line is None or draft is None:
             return None
-        cost = depth * draft + verify
+        cost = depth * draft + line.seconds(depth + 1)
         return expected_tokens(self.acceptance(depth), depth) / cost if cost > 0 else None
 
     def verify_slope(self, batch_size: int) -> float:
-        """Seconds one more verify token adds: the least-squares slope through the
-        measured t_v(n), at least 0; 0 (flat) until two sizes are measured.
+        """Seconds one more verify token adds: the verify line's slope, 0 (flat) until
+        two sizes are measured.
 
-        A fit, not the difference of two neighbours: a size measured once or
-        twice is noisy on a shared machine, and one difference of two noisy
-        points moved the bar below from 0.24 to 0.79 in one trace.
+        A robust fit over all sizes, not the difference of two neighbours: a size
+        measured once or twice is noisy on a shared machine, and one difference of
+        two noisy points moved the bar below from 0.24 to 0.79 in one trace.
         """
-        points = self.verify_seconds.get(batch_size, {})
-        if len(points) < 2:
-            return 0.0
-        mean_n = sum(points) / len(points)
-        mean_t = sum(points.values()) / len(points)
-        spread = sum((n - mean_n) ** 2 for n in points)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points.items()) / spread
-        return max(slope, 0.0)
+        line = self.verify_lines.get(batch_size)
+        return line.slope if line is not None else 0.0
 
     def break_even_confidence(self, batch_size: int, depth: int) -> float | None:
         """The acceptance one more draft token needs to pay for itself at ``depth``,
