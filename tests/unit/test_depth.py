@@ -127,7 +127,8 @@ def test_one_size_timed_in_a_fast_moment_does_not_pull_the_depth_down() -> None:
         cost.record_verify(1, n, seconds)
     cost.reached = [100.0] * 4
     cost.accepted = [56.0, 60.0, 73.0, 81.0]
-    assert cost.verify_seconds[1][2] == 0.186  # that size's own minimum
+    line = cost.verify_lines[1]
+    assert line.seconds(2) == line.seconds(5)  # the fast moment lowered every size alike
     # At these rates a 4th draft (taken with p = 0.2) about breaks even; depth 1 never.
     assert cost.cost_cap(1, 1, 4) >= 3
     # A slope that every size shows is followed: drafting deep then does not pay.
@@ -254,10 +255,13 @@ def test_timings_are_the_recent_minimum_so_spikes_do_not_steer_the_depth() -> No
     cost = CostModel()
     for seconds in (1.0, 9.0, 1.1, 8.0):  # a neighbour's job doubles some steps
         cost.record_verify(1, 5, seconds)
-    assert cost.verify_seconds[1][5] == 1.0
+    assert cost.verify_lines[1].seconds(5) == 1.0
     for _ in range(TIMING_WINDOW):
         cost.record_verify(1, 5, 2.0)  # a real, lasting change is followed
-    assert cost.verify_seconds[1][5] == 2.0
+    assert cost.verify_lines[1].seconds(5) == 2.0
+    for seconds in (0.5, 4.0, 0.6):  # the target-only baseline keeps its own minimum
+        cost.record_verify(1, 1, seconds)
+    assert cost.target_only_seconds[1] == 0.5
 
 
 def test_a_position_with_few_samples_leans_on_the_one_before() -> None:

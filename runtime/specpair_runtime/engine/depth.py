@@ -187,7 +187,7 @@ class CostModel:
     """Measured step costs and per-position acceptance; picks the cost cap."""
 
     draft_seconds: dict[int, float] = field(default_factory=dict)  # batch size -> s/forward
-    verify_seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # B -> n -> s
+    target_only_seconds: dict[int, float] = field(default_factory=dict)  # B -> s, t_v(1)
     verify_samples: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # n >= 2
     verify_lines: dict[int, VerifyLine] = field(default_factory=dict)  # B -> fitted line
     reached: list[float] = field(default_factory=list)  # position i drafted, all before accepted
@@ -204,10 +204,9 @@ class CostModel:
         self.draft_seconds[batch_size] = _windowed_min(window, seconds_per_forward)
 
     def record_verify(self, batch_size: int, query_tokens: int, seconds: float) -> None:
-        table = self.verify_seconds.setdefault(batch_size, {})
-        window = self.samples.setdefault((batch_size, query_tokens), deque())
-        table[query_tokens] = _windowed_min(window, seconds)
         if query_tokens == 1:
+            window = self.samples.setdefault((batch_size, 1), deque())
+            self.target_only_seconds[batch_size] = _windowed_min(window, seconds)
             self.steps_since_target_probe = 0
             return
         pooled = self.verify_samples.setdefault(batch_size, deque(maxlen=VERIFY_SAMPLES))
@@ -244,7 +243,7 @@ class CostModel:
     def throughput(self, batch_size: int, depth: int) -> float | None:
         """Modelled tokens per second per row at ``depth`` (0 = target-only)."""
         if depth == 0:
-            single = self.verify_seconds.get(batch_size, {}).get(1)
+            single = self.target_only_seconds.get(batch_size)
             return 1.0 / single if single else None
         line = self.verify_lines.get(batch_size)
         draft = self.draft_seconds.get(batch_size)
@@ -346,9 +345,8 @@ class DepthController:
         if not self.knobs.adaptive:
             return StepPlan(cap, None)
         cost = self.cost
-        table = cost.verify_seconds.get(batch_size, {})
         probe_target = timed and (
-            (1 not in table and self.speculation_steps >= 1)
+            (batch_size not in cost.target_only_seconds and self.speculation_steps >= 1)
             or cost.steps_since_target_probe >= PROBE_TARGET_EVERY
         )
         if probe_target:
