@@ -166,18 +166,25 @@ def summarize(samples: Mapping[str, Mapping[int, Sequence[float]]]) -> list[Cost
     return rows
 
 
-def loop_ratios(
-    samples: Mapping[str, Mapping[int, Sequence[float]]],
+def paired_ratios(
+    samples: Mapping[str, Mapping[int, Sequence[float]]], suffix: str
 ) -> list[tuple[str, int, float, float, float]]:
-    """(model, tokens, median, min, max) of the engine's loop / transformers' forward per round."""
+    """(model, tokens, median, min, max) of ``model`` / ``model<suffix>``, within each round."""
     out = []
     for name, by_size in samples.items():
-        other = samples.get(f"{name}-hf")
+        other = samples.get(f"{name}{suffix}")
         if other is None:
             continue
         for n, seconds in sorted(by_size.items()):
             out.append((name, n, *_spread(seconds, other[n])))
     return out
+
+
+def loop_ratios(
+    samples: Mapping[str, Mapping[int, Sequence[float]]],
+) -> list[tuple[str, int, float, float, float]]:
+    """(model, tokens, median, min, max) of the engine's loop / transformers' forward per round."""
+    return paired_ratios(samples, "-hf")
 
 
 def format_rows(rows: Sequence[CostRow]) -> str:
@@ -195,8 +202,10 @@ def pair_and_engine(
     max_length: int,
     *,
     cuda_graphs: bool = True,
+    compile_graphs: bool = False,
+    slots: int = 1,
 ) -> tuple[LoadedPair, SpeculativeEngine]:
-    """The fetched pair, and a one-slot engine over it whose runners are timed.
+    """The fetched pair, and an engine over it whose runners are timed (in slot 0).
 
     The engine's own options: it switches the target to its kernels, and on
     CUDA uniform steps replay captured graphs.
@@ -211,8 +220,20 @@ def pair_and_engine(
         SpeculationKnobs(),
         device,
     )
-    options = EngineOptions(max_slots=1, max_length=max_length, cuda_graphs=cuda_graphs)
+    options = EngineOptions(
+        max_slots=slots,
+        max_length=max_length,
+        cuda_graphs=cuda_graphs,
+        cuda_graph_compile=compile_graphs,
+    )
     return pair, pair.engine(options=options)
+
+
+def graph_kind(engine: SpeculativeEngine) -> str:
+    graphs = engine.target.graphs
+    if graphs is None:
+        return "eager"
+    return "compiled graphs" if graphs.compiles else "captured graphs"
 
 
 def transformers_runners(
@@ -233,6 +254,21 @@ def transformers_runners(
         other.decoder = None
         others[f"{name}-hf"] = other
     return others
+
+
+def eager_runners(runners: Mapping[str, ModelRunner], max_length: int) -> dict[str, ModelRunner]:
+    """A runner per graph-stepping model that runs every forward eagerly (``<model>-eager``).
+
+    Same loaded modules, the engine's own loop, its own one-slot storage: the
+    baseline that replay is set against within each round.
+    """
+    from specpair_runtime.engine.runner import ModelRunner
+
+    return {
+        f"{name}-eager": ModelRunner(runner.loaded, 1, max_length)
+        for name, runner in runners.items()
+        if runner.graphs is not None
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -258,6 +294,33 @@ def main(argv: list[str]) -> int:
         help="on CUDA, run every forward eagerly (no captured graphs), to compare with replay",
     )
     parser.add_argument(
+        "--compile-graphs",
+        action="store_true",
+        help="on CUDA, record torch.compile's fused step instead of capturing the eager one "
+        "(the engine's cudaGraphCompile)",
+    )
+    parser.add_argument(
+        "--baseline-eager",
+        action="store_true",
+        help="on CUDA, also time each model eagerly on the same modules (rows '<model>-eager'), "
+        "alternating with the graph steps, and print replay against eager per size",
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=1,
+        metavar="N",
+        help="KV slots of the engine: its warm-up records every row bucket up to N, as a "
+        "server with maxBatchSize N does (forwards are timed on one row)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        metavar="N",
+        help="positions per KV slot (default: the context plus the largest size); the dense "
+        "graph step reads whole slots, so this sets what its attention reads",
+    )
+    parser.add_argument(
         "--shaped-pair",
         action="store_true",
         help="time a pair of the real pair's architecture with random weights instead of the "
@@ -269,6 +332,13 @@ def main(argv: list[str]) -> int:
         parser.error(f"--context must be >= 1, got {args.context}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    needed = args.context + max(args.tokens) + 1
+    if args.max_length is not None and args.max_length < needed:
+        parser.error(f"--max-length must be >= --context + the largest size + 1 = {needed}")
+    if args.slots < 1:
+        parser.error(f"--slots must be >= 1, got {args.slots}")
+    if args.eager and (args.compile_graphs or args.baseline_eager):
+        parser.error("--eager runs no graphs; drop --compile-graphs and --baseline-eager")
     with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
         if args.shaped_pair:
             from tools.shaped_pair import write_shaped_pair
@@ -288,17 +358,36 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
     device = resolve_device(args.device)
     # The draft as make bench runs it; the target is never quantized.
     quantization = args.draft_quantization or recommended_draft_quantization(device.type)
-    length = args.context + max(args.tokens) + 1
-    _, engine = pair_and_engine(dirs, str(device), quantization, length, cuda_graphs=not args.eager)
+    length = args.max_length or args.context + max(args.tokens) + 1
+    _, engine = pair_and_engine(
+        dirs,
+        str(device),
+        quantization,
+        length,
+        cuda_graphs=not args.eager,
+        compile_graphs=args.compile_graphs,
+        slots=args.slots,
+    )
+    started = time.perf_counter()
+    shapes = engine.warm_up_graphs()
+    warm_up_seconds = time.perf_counter() - started
+    if shapes:  # what a new pod pays before it turns ready, for this slot count
+        print(
+            f"warm-up: recorded {shapes} graph step shapes of both models in "
+            f"{warm_up_seconds:.1f} s",
+            flush=True,
+        )
     runners: dict[str, ModelRunner] = {"target": engine.target}
     if engine.draft is not None:
         runners["draft"] = engine.draft
+    if args.baseline_eager:
+        runners.update(eager_runners(runners, length))
     if args.transformers_forward:
         runners.update(transformers_runners(runners, length))
     print(
         f"{'shaped pair (random weights)' if args.shaped_pair else 'real pair'} on "
         f"device {device} ({engine.target.dtype}, "
-        f"{'captured graphs' if engine.target.graphs is not None else 'eager'}), "
+        f"{graph_kind(engine)}), max length {length}, "
         f"draft quantization {quantization}, "
         f"torch threads {torch.get_num_threads()}, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
@@ -315,8 +404,22 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
             f"{name} {n} tokens: engine loop / transformers forward "
             f"{ratio:.2f} [{low:.2f}-{high:.2f}]"
         )
+    for name, n, ratio, low, high in paired_ratios(samples, "-eager"):
+        print(f"{name} {n} tokens: graph replay / eager {ratio:.2f} [{low:.2f}-{high:.2f}]")
     if args.json is not None:
-        args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=1) + "\n")
+        report = {
+            "graphs": graph_kind(engine),
+            "max_length": length,
+            "slots": args.slots,
+            "warm_up_shapes": shapes,
+            "warm_up_seconds": round(warm_up_seconds, 2),
+            "rows": [row.__dict__ for row in rows],
+            "replay_vs_eager": [
+                {"model": name, "tokens": n, "ratio": r, "min": low, "max": high}
+                for name, n, r, low, high in paired_ratios(samples, "-eager")
+            ],
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

@@ -8,7 +8,8 @@ On a machine with a CUDA GPU and the real pair in the cache (``make models``):
    speculation, HF assisted) in bf16, and ``bench/bench_numerics.py`` (how far
    the target's bf16 logits move between kernel shapes: what the golden
    check's near-tie margin must cover), and ``bench/bench_forward.py`` (what a
-   forward of n tokens costs against one, through the captured graphs);
+   forward of n tokens costs against one through the CUDA graphs, replay
+   against eager, and how long the graph warm-up takes);
 3. writes one JSON report (``gpu-check.json`` unless ``--output``) and prints
    its path. Exit 0 when every test passed (none skipped) and all three scripts ran.
 
@@ -35,6 +36,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specpair_runtime.config import ServingOptions
 from specpair_runtime.openmp import openmp_environ
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +45,15 @@ sys.path.insert(0, str(ROOT))
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 2
 # The benchmark in bf16, the dtype the runtime picks on CUDA, spelled out.
 BENCH_FLAGS = ("--dtype", "bfloat16", "--json")
+# The forward costs as a server with the default maxBatchSize and maxModelLength runs
+# them (the warm-up records every row bucket; the dense step reads whole slots), with
+# eager forwards on the same modules alternating with the replays.
+_SERVING = ServingOptions()
+FORWARD_FLAGS = (
+    "--baseline-eager",
+    *("--slots", str(_SERVING.max_batch_size)),
+    *("--max-length", str(_SERVING.max_model_length)),
+)
 TEST_TIMEOUT_SECONDS = 3600
 BENCH_TIMEOUT_SECONDS = 3600
 
@@ -214,11 +225,11 @@ def run_forward_costs(work: Path, *, shaped: bool) -> dict[str, object]:
     ``shaped``: on the real pair's architecture with random weights (no real pair here).
     """
     output = work / "forward.json"
-    flags = ["--json", str(output), *(["--shaped-pair"] if shaped else [])]
+    flags = ["--json", str(output), *FORWARD_FLAGS, *(["--shaped-pair"] if shaped else [])]
     completed, command = run_script("bench_forward.py", flags)
     if completed.returncode != 0 or not output.exists():
         return failed(completed)
-    return {"ok": True, "command": command, "rows": json.loads(output.read_text())}
+    return {"ok": True, "command": command, **json.loads(output.read_text())}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -417,6 +417,7 @@ class OutputFilterSpec(ContractModel):
 RUNTIME_SERVING_OPTIONS = (
     "max_step_tokens",
     "cuda_graphs",
+    "cuda_graph_compile",
     "prefill_order",
     "cpu_threads",
     "max_request_body_bytes",
@@ -470,8 +471,18 @@ class ServingSpec(ContractModel):
     cuda_graphs: bool | None = Field(
         default=None,
         description=(
-            "On CUDA, replay decode and verify steps as captured CUDA graphs "
-            f"(torch.compile); ignored on the CPU. Unset: {_runtime_default('cuda_graphs')}."
+            "On CUDA, replay decode and verify steps as CUDA graphs, every shape captured "
+            "before the pod turns ready (seconds); ignored on the CPU. "
+            f"Unset: {_runtime_default('cuda_graphs')}."
+        ),
+    )
+    cuda_graph_compile: bool | None = Field(
+        default=None,
+        description=(
+            "With cudaGraphs: record torch.compile's fused step instead of capturing the "
+            "eager one. Its compiles take minutes before the pod turns ready (raise "
+            "rollout.startupTimeoutSeconds to match). "
+            f"Unset: {_runtime_default('cuda_graph_compile')}."
         ),
     )
     prefill_order: PrefillOrder | None = Field(

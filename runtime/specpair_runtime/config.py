@@ -178,7 +178,17 @@ class ServingOptions(ContractModel):
     )
     cuda_graphs: bool = Field(
         default=True,
-        description="On CUDA, capture decode/verify steps with CUDA graphs (torch.compile).",
+        description=(
+            "On CUDA, replay decode/verify steps as CUDA graphs, each shape recorded before "
+            "the pod turns ready (seconds)."
+        ),
+    )
+    cuda_graph_compile: bool = Field(
+        default=False,
+        description=(
+            "With cudaGraphs: record torch.compile's fused step (mode reduce-overhead) "
+            "instead of capturing the eager step. Compiles take minutes at start-up."
+        ),
     )
     prefill_order: PrefillOrder = Field(
         default="shortest-first",

@@ -55,12 +55,18 @@ def tiny_pair_on_cuda() -> tuple[LoadedModel, LoadedModel, list[list[int]]]:
     return target, draft, [tok(t)["input_ids"] for t in TEXTS]
 
 
+RECORDING = [pytest.param(False, id="capture"), pytest.param(True, id="compile")]
+
+
 @pytest.mark.cuda
-def test_graph_steps_give_the_eager_greedy_tokens() -> None:
+@pytest.mark.parametrize("compile", RECORDING)
+def test_graph_steps_give_the_eager_greedy_tokens(compile: bool) -> None:
     target, draft, prompts = tiny_pair_on_cuda()
 
     def run(graphs: bool, with_draft: bool) -> list[list[int]]:
-        options = EngineOptions(max_slots=4, max_length=128, cuda_graphs=graphs)
+        options = EngineOptions(
+            max_slots=4, max_length=128, cuda_graphs=graphs, cuda_graph_compile=compile
+        )
         engine = SpeculativeEngine(target, draft if with_draft else None, FIXED, options=options)
         assert (engine.target.graphs is not None) == graphs
         return [r.token_ids for r in generate(engine, prompts, GREEDY)]
@@ -92,7 +98,7 @@ def test_the_graph_step_logic_runs_eagerly_on_the_cpu() -> None:
     assert engine.draft is not None
     used: list[int] = []
     for runner in (engine.target, engine.draft):
-        step = GraphStep(runner)
+        step = GraphStep(runner, compile=True)
 
         def uncompiled(*args: Any, _step: GraphStep = step) -> torch.Tensor:
             used.append(args[1].shape[0])  # rows after padding
@@ -139,7 +145,7 @@ def test_the_captured_step_is_one_graph_that_writes_only_static_inputs() -> None
     speculative = engine(draft=True)
     assert speculative.draft is not None
     for runner in (speculative.target, speculative.draft):
-        step = GraphStep(runner)
+        step = GraphStep(runner, compile=True)
         step._compiled = torch.compile(  # type: ignore[assignment]
             step._forward,
             backend=aot_autograd(fw_compiler=inspect),
@@ -185,7 +191,7 @@ def test_every_step_shape_stays_compiled(dynamic: bool | None) -> None:
         )
         assert engine.draft is not None
         for runner in (engine.target, engine.draft):
-            step = GraphStep(runner)
+            step = GraphStep(runner, compile=True)
             step._compiled = torch.compile(  # type: ignore[assignment]
                 step._forward, backend=count, fullgraph=True, dynamic=dynamic
             )
@@ -228,7 +234,7 @@ def test_the_warm_up_compiles_every_shape_that_serving_then_takes() -> None:
         return gm.forward
 
     for runner in (engine.target, engine.draft):
-        step = GraphStep(runner)
+        step = GraphStep(runner, compile=True)
         compiled = torch.compile(step._forward, backend=count, dynamic=DYNAMIC_SHAPES)
 
         def recorded(*args: Any, _compiled: Any = compiled) -> torch.Tensor:
@@ -262,12 +268,21 @@ def test_a_server_without_graph_steps_skips_the_warm_up() -> None:
 
 
 @pytest.mark.cuda
-def test_after_the_warm_up_cuda_steps_replay_without_compiling() -> None:
+@pytest.mark.parametrize("compile", RECORDING)
+def test_after_the_warm_up_cuda_steps_replay_without_recording(compile: bool) -> None:
     target, draft, prompts = tiny_pair_on_cuda()
-    options = EngineOptions(max_slots=4, max_length=128, cuda_graphs=True)
+    options = EngineOptions(max_slots=4, max_length=128, cuda_graph_compile=compile)
     engine = SpeculativeEngine(target, draft, FIXED, options=options)
+    assert engine.draft is not None
     assert engine.warm_up_graphs() == 2 * graph_shapes(4)
+    steps = [runner.graphs for runner in (engine.target, engine.draft)]
+    assert all(step is not None and step.compiles == compile for step in steps)
+    storage = [runner.allocate().tensor.data_ptr() for runner in (engine.target, engine.draft)]
+    recorded = [step.recorded for step in steps if step is not None]
+    assert recorded == ([0, 0] if compile else [graph_shapes(4)] * 2)
     counters.clear()
     assert all(r.token_ids for r in generate(engine, prompts, GREEDY))
     assert counters["stats"]["unique_graphs"] == 0  # nothing compiled after the warm-up
     assert counters["inductor"]["cudagraph_skips"] == 0
+    assert [step.recorded for step in steps if step is not None] == recorded  # none captured
+    assert [r.allocate().tensor.data_ptr() for r in (engine.target, engine.draft)] == storage

@@ -7,9 +7,11 @@ import argparse
 import pytest
 import torch
 from bench.bench_forward import (
+    eager_runners,
     loop_ratios,
     main,
     measure,
+    paired_ratios,
     parse_tokens,
     prefill,
     summarize,
@@ -18,6 +20,7 @@ from bench.bench_forward import (
 from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.graphs import GraphStep
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine
 
@@ -100,3 +103,18 @@ def test_transformers_forward_runners_share_the_modules_and_give_ratios() -> Non
     assert hf.model is engine.target.model and hf.storage is not engine.target.storage
     samples = {"target": {1: [1.0, 3.0]}, "target-hf": {1: [2.0, 3.0]}, "draft": {1: [1.0]}}
     assert loop_ratios(samples) == [("target", 1, 0.75, 0.5, 1.0)]
+
+
+def test_eager_baselines_only_for_graph_stepping_models() -> None:
+    engine = _tiny_engine()
+    assert engine.draft is not None
+    runners = {"target": engine.target, "draft": engine.draft}
+    assert eager_runners(runners, 32) == {}  # the CPU runs no graph steps
+    engine.target.graphs = GraphStep(engine.target, compile=True)
+    eager = eager_runners(runners, 32)
+    assert set(eager) == {"target-eager"}
+    baseline = eager["target-eager"]
+    assert baseline.graphs is None and baseline.model is engine.target.model
+    assert baseline.storage is not engine.target.storage
+    samples = {"target": {1: [1.0, 1.0]}, "target-eager": {1: [4.0, 2.0]}}
+    assert paired_ratios(samples, "-eager") == [("target", 1, 0.375, 0.25, 0.5)]

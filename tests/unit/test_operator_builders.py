@@ -203,6 +203,7 @@ SERVING_OPTIONS: dict[str, Any] = {
     "maxModelLength": 4096,
     "maxStepTokens": 128,
     "cudaGraphs": False,
+    "cudaGraphCompile": True,
     "prefillOrder": "arrival",
     "cpuThreads": 1,
     "maxRequestBodyBytes": 65536,
@@ -223,6 +224,7 @@ def test_serving_options_reach_the_runtime_config() -> None:
     serving = rendered_config(spec).serving
     assert serving.max_step_tokens == 128
     assert serving.cuda_graphs is False
+    assert serving.cuda_graph_compile is True
     assert serving.prefill_order == "arrival"
     assert serving.cpu_threads == 1
     assert serving.max_request_body_bytes == 65536 and serving.request_body_limit == 65536

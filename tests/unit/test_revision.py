@@ -72,6 +72,7 @@ def test_fields_outside_the_revision(path: str, value: object) -> None:
         ("serving.maxModelLength", 8192),
         ("serving.maxStepTokens", 64),
         ("serving.cudaGraphs", True),
+        ("serving.cudaGraphCompile", True),
         ("serving.prefillOrder", "arrival"),
         ("serving.cpuThreads", 1),
         ("serving.drainTimeoutSeconds", 30),

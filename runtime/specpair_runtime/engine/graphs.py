@@ -1,26 +1,36 @@
-"""CUDA graphs for uniform decode and verify steps (``torch.compile(mode="reduce-overhead")``).
+"""CUDA graphs for uniform decode and verify steps.
 
 A decode step (1 token per row) or a verify step (k+1 tokens per row, one
 depth for the step) has rows of equal length. Padded to a bucket of rows
 (1, 2, 4, 8, ...), such a step has static shapes: the input ids, the rows'
 slots and positions are tensors, attention is the dense form of
 ``attention.py`` (a mask derived from positions over whole slots), and KV
-writes land in the fixed storage, marked as a static address so that the
-graph may write it in place. So one graph per (bucket, tokens per row)
-is captured and replayed (``DYNAMIC_SHAPES``: a few compiles serve them all).
-Padded rows write into the storage's scratch slot.
+writes land in the fixed storage. So one graph per (bucket, tokens per row)
+is recorded and replayed. Padded rows write into the storage's scratch slot.
+
+Two ways to record (``GraphStep(compile=...)``):
+
+- **capture** (the default): the eager step, recorded with
+  ``torch.cuda.CUDAGraph`` into static input buffers, as SGLang does by
+  default. Recording a shape costs a few forwards, so the warm-up takes
+  seconds; the replay removes the launch overhead of the layer loop, which is
+  what bounds a small model's step on a GPU.
+- **compile**: ``torch.compile(mode="reduce-overhead")`` (inductor's fused
+  kernels, recorded by cudagraph trees; ``DYNAMIC_SHAPES``: a few compiles
+  serve every shape). Each compile of the 1.5B target took 48-71 s on an
+  H200, so the warm-up takes minutes.
 
 Prefill chunks (ragged lengths) run eagerly through the varlen attention;
 a chunk of rows of one length up to ``MAX_GRAPH_TOKENS_PER_ROW`` is uniform
 and takes the graph path too.
 
-``warm_up`` compiles and captures every shape before the first request: on
-an H200 one compile of the 1.5B target took 48-71 s, a stall that no
-request should wait through.
+``warm_up`` records every shape before the first request, so no request
+waits for a capture or a compile.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,15 +101,38 @@ def reserve_compile_entries(count: int) -> None:
         inductor.triton.cudagraph_dynamic_shape_warn_limit = max(warn_at, _reserved_entries)
 
 
-class GraphStep:
-    """Runs uniform steps of one model through a compiled, graph-captured forward."""
+@dataclass(frozen=True)
+class _Recorded:
+    """One captured shape: its graph, the static inputs it reads, the logits it writes."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [bucket * q_len]
+    meta: torch.Tensor  # [2, bucket]: slots, then first positions
+    logits: torch.Tensor  # [bucket * q_len, vocab], rewritten by every replay
+
+
+class GraphStep:
+    """Runs uniform steps of one model as recorded CUDA graphs.
+
+    ``compile``: record ``torch.compile(mode="reduce-overhead")``'s fused step
+    (minutes of compiles) instead of capturing the eager step (seconds).
+    """
+
+    def __init__(self, runner: ModelRunner, *, compile: bool = False) -> None:
         self.runner = runner
-        reserve_compile_entries(graph_shapes(runner.slots))
-        self._compiled = torch.compile(
-            self._forward, mode="reduce-overhead", dynamic=DYNAMIC_SHAPES
-        )
+        self.compiles = compile
+        self._recorded: dict[tuple[int, int], _Recorded] = {}
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # one pool for this model's graphs
+        if compile:
+            reserve_compile_entries(graph_shapes(runner.slots))
+            self._compiled = torch.compile(
+                self._forward, mode="reduce-overhead", dynamic=DYNAMIC_SHAPES
+            )
+
+    @property
+    def recorded(self) -> int:
+        """How many shapes this step has captured (capture mode; compile mode records its own)."""
+        return len(self._recorded)
 
     def accepts(self, rows: list[RowSpan], sample_index: torch.Tensor | None) -> bool:
         if not rows or sample_index is None:
@@ -115,12 +148,15 @@ class GraphStep:
         write_position = (position[:, None] + offsets[None, :]).flatten()
         batch = FlatBatch(
             rows=[],
-            write_slot=slot.repeat_interleave(q_len),
+            # expand, not repeat_interleave: no size computed on the host during capture.
+            write_slot=slot[:, None].expand(-1, q_len).flatten(),
             write_position=write_position,
             position_ids=write_position[None, :],
             masks=[],
             dense=DenseRows(slot, position, q_len),
         )
+        # As the eager path: a draft with fewer embedding rows still reads every committed id.
+        ids = ids.clamp(max=self.runner.embedding_rows - 1)
         hidden = self.runner.hidden_states(ids[None, :], SlotCache(storage, batch))
         logits: torch.Tensor = self.runner.head(hidden[0])
         return logits
@@ -140,27 +176,66 @@ class GraphStep:
         return logits.index_select(0, sample_index)
 
     def warm_up(self) -> int:
-        """Compile and capture every step shape now; returns how many shapes.
+        """Record every step shape now; returns how many shapes.
 
         Every row is a padded one (the scratch slot at position 0), so no
-        request's KV is touched.
+        request's KV is touched. Largest first: the smaller graphs then reuse
+        the pool's memory.
         """
         scratch = self.runner.allocate().scratch_slot
         shapes = step_shapes(self.runner.slots)
-        for bucket, q_len in shapes:
+        for bucket, q_len in reversed(shapes):
             ids = torch.zeros(bucket * q_len, dtype=torch.long, device=self.runner.device)
-            for _ in range(CAPTURE_CALLS):
+            for _ in range(CAPTURE_CALLS if self.compiles else 1):
                 self._run(ids, [scratch] * bucket, [0] * bucket, q_len)
         return len(shapes)
 
     def _run(
         self, ids: torch.Tensor, slots: list[int], positions: list[int], q_len: int
     ) -> torch.Tensor:
+        meta = torch.tensor([slots, positions], dtype=torch.long)
+        if not self.compiles:
+            recorded = self._recorded.get((len(slots), q_len))
+            if recorded is None:
+                recorded = self._capture(ids, meta, q_len)
+            recorded.ids.copy_(ids)
+            recorded.meta.copy_(meta)
+            recorded.graph.replay()
+            return recorded.logits
         # The step writes KV into the storage in place. CUDA graph trees capture a
         # graph only when every input it mutates keeps its address (parameters, or
         # tensors marked so); unmarked, they would skip capture and run it uncaptured.
         torch._dynamo.mark_static_address(self.runner.allocate().tensor)
-        meta = torch.tensor([slots, positions], dtype=torch.long).to(self.runner.device)
+        meta = meta.to(self.runner.device)
         with model_attention(self.runner.model):
             logits: torch.Tensor = self._compiled(ids, meta[0], meta[1], q_len)
         return logits
+
+    def _capture(self, ids: torch.Tensor, meta: torch.Tensor, q_len: int) -> _Recorded:
+        """Record the eager step of this shape into a graph over static input buffers.
+
+        One eager run first, on a side stream as PyTorch asks, so that lazy
+        initialisation (cuBLAS handles, workspaces) happens outside the capture.
+        The pool is shared: each graph's logits stay referenced, so only
+        intermediates are reused, and graphs replay one at a time.
+        """
+        device = self.runner.device
+        static_ids = ids.clone()
+        static_meta = meta.to(device)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), model_attention(self.runner.model):
+            self._forward(static_ids, static_meta[0], static_meta[1], q_len)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (the memory probe) do not abort the capture.
+        with (
+            model_attention(self.runner.model),
+            torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
+        ):
+            logits = self._forward(static_ids, static_meta[0], static_meta[1], q_len)
+        recorded = _Recorded(graph, static_ids, static_meta, logits)
+        self._recorded[(int(meta.shape[1]), q_len)] = recorded
+        return recorded

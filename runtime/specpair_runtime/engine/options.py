@@ -30,8 +30,10 @@ class EngineOptions:
     max_step_tokens: tokens per step over all rows (chunked prefill budget);
         None measures it (``budget.py``), starting from
         ``DEFAULT_STEP_TOKENS_CPU`` / ``..._CUDA`` by device.
-    cuda_graphs: on CUDA, run uniform decode/verify steps through
-        ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Ignored on the CPU.
+    cuda_graphs: on CUDA, replay uniform decode/verify steps as recorded CUDA
+        graphs (``graphs.py``). Ignored on the CPU.
+    cuda_graph_compile: record ``torch.compile(mode="reduce-overhead")``'s
+        fused step instead of capturing the eager one (minutes of warm-up).
     prefill_order: which prompt reads first (``budget.prefill_order``):
         ``shortest-first``, or ``arrival`` (oldest first).
     """
@@ -40,6 +42,7 @@ class EngineOptions:
     max_length: int = 2048
     max_step_tokens: int | None = None
     cuda_graphs: bool = True
+    cuda_graph_compile: bool = False
     prefill_order: PrefillOrder = "shortest-first"
 
     def __post_init__(self) -> None:
@@ -65,5 +68,6 @@ class EngineOptions:
             max_length=serving.max_model_length,
             max_step_tokens=serving.max_step_tokens,
             cuda_graphs=serving.cuda_graphs,
+            cuda_graph_compile=serving.cuda_graph_compile,
             prefill_order=serving.prefill_order,
         )

@@ -21,7 +21,13 @@ class ModelRunner:
     """Runs ``loaded.model`` over flat batches that read and write ``self.storage``."""
 
     def __init__(
-        self, loaded: LoadedModel, slots: int, max_length: int, *, cuda_graphs: bool = False
+        self,
+        loaded: LoadedModel,
+        slots: int,
+        max_length: int,
+        *,
+        cuda_graphs: bool = False,
+        compile_graphs: bool = False,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -42,7 +48,8 @@ class ModelRunner:
         self.decoder = DecoderLoop.of(self.model)
         self.storage: KVStorage | None = None
         self.allocate()
-        self.graphs = GraphStep(self) if cuda_graphs and self.device.type == "cuda" else None
+        on_cuda = cuda_graphs and self.device.type == "cuda"
+        self.graphs = GraphStep(self, compile=compile_graphs) if on_cuda else None
 
     def allocate(self) -> KVStorage:
         if self.storage is None:

@@ -241,10 +241,14 @@ class SpeculativeEngine:
                 if loaded is not None and loaded.device.type == "cpu":
                     use_onednn_linears(loaded.model)
         slots, length = self.options.max_slots, self.options.max_length
-        graphs = self.options.cuda_graphs
-        self.target = ModelRunner(target, slots, length, cuda_graphs=graphs)
+        graphs, compiled = self.options.cuda_graphs, self.options.cuda_graph_compile
+        self.target = ModelRunner(
+            target, slots, length, cuda_graphs=graphs, compile_graphs=compiled
+        )
         self.draft = (
-            ModelRunner(draft, slots, length, cuda_graphs=graphs) if draft is not None else None
+            ModelRunner(draft, slots, length, cuda_graphs=graphs, compile_graphs=compiled)
+            if draft is not None
+            else None
         )
         self.tokenizer = target.tokenizer
         self.device = target.device
@@ -406,7 +410,7 @@ class SpeculativeEngine:
         return self.draft is not None and self.draft.storage is not None
 
     def warm_up_graphs(self) -> int:
-        """Compile and capture every graph step shape of both models; returns how many.
+        """Record every graph step shape of both models (``graphs.py``); returns how many.
 
         0 where no model runs graph steps (the CPU, or ``cuda_graphs`` off).
         Under ``inference_mode`` as ``step`` runs, since the compiled code is

@@ -80,7 +80,8 @@ def warm_up_graphs(readiness: Readiness, engine: SpeculativeEngine) -> None:
     """
     if engine.target.graphs is None:
         return
-    readiness.set("warming_up", "compiling and capturing CUDA graphs for every step shape")
+    what = "compiling and recording" if engine.target.graphs.compiles else "capturing"
+    readiness.set("warming_up", f"{what} CUDA graphs for every step shape")
     start = time.perf_counter()
     shapes = engine.warm_up_graphs()
     log.info("captured %d graph step shapes in %.1f s", shapes, time.perf_counter() - start)
