@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.graphs import (
     DYNAMIC_SHAPES,
+    MAX_GRAPH_TOKENS_PER_ROW,
     GraphStep,
     graph_shapes,
     row_bucket,
@@ -108,6 +110,57 @@ def test_the_graph_step_logic_runs_eagerly_on_the_cpu() -> None:
         runner.graphs = step
     assert [r.token_ids for r in generate(engine, prompts, GREEDY)] == expected
     assert used and all(n == row_bucket(n) for n in used)  # only bucketed shapes
+
+
+def test_captured_shapes_replay_from_their_static_buffers() -> None:
+    """The capture path's bookkeeping, on any machine.
+
+    A CUDA graph replays the kernels it recorded over the buffers it recorded
+    them on. Capture needs CUDA, so here the recorder runs the step body once
+    and hands the body back as its replay: run again, it reads the same
+    static buffers and writes the same output buffer, as a replay would. So
+    this checks what a graph relies on: each step copies its ids, slots and
+    positions into its shape's buffers, every shape is recorded once (in the
+    warm-up), all of a model's shapes write one output buffer sized for the
+    largest, and the greedy tokens stay the eager ones. The cuda tests record
+    real graphs.
+    """
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    options = EngineOptions(max_slots=4, max_length=128)
+    eager = SpeculativeEngine(as_loaded(pair.target, tok, "t"), None, FIXED, options=options)
+    expected = [r.token_ids for r in generate(eager, prompts, GREEDY)]
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "t"),
+        as_loaded(pair.draft, tok, "d"),
+        FIXED,
+        options=options,
+        cpu_kernels="default",
+    )
+    assert engine.draft is not None
+    bodies: list[Callable[[], None]] = []
+
+    def rerun(body: Callable[[], None]) -> Callable[[], None]:
+        body()
+        bodies.append(body)
+        return body
+
+    steps = []
+    for runner in (engine.target, engine.draft):
+        step = GraphStep(runner)
+        step.recorder = rerun
+        runner.graphs = step
+        steps.append(step)
+    assert engine.warm_up_graphs() == len(bodies) == 2 * graph_shapes(4)
+    assert [r.token_ids for r in generate(engine, prompts, GREEDY)] == expected
+    generate(engine, prompts[:3], SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
+    assert len(bodies) == 2 * graph_shapes(4)  # nothing recorded after the warm-up
+    for step in steps:
+        shared = step._output
+        assert shared is not None and shared.shape[0] == 4 * MAX_GRAPH_TOKENS_PER_ROW
+        views = step._recorded.values()
+        assert {view.logits.data_ptr() for view in views} == {shared.data_ptr()}
 
 
 def test_the_captured_step_is_one_graph_that_writes_only_static_inputs() -> None:
