@@ -8,6 +8,11 @@ spread. The draft is int4-weight on the CPU (the target stays fp32, so the
 output is unchanged); pass extra ``specpair-runtime bench`` flags through
 (``--draft-quantization int8-dynamic`` for the earlier draft).
 
+``--shaped-pair`` runs it on a pair of the real pair's architecture with random
+weights instead (``tools/shaped_pair.py``; for a GPU machine that cannot fetch
+the pair): its step costs and the engine's overhead per step are real, while
+its acceptance, and so every speedup, means nothing.
+
     .venv/bin/python bench/bench_engine.py [--depths 2,4,6] [--runs 3] [--plot FILE.png]
 """
 
@@ -15,7 +20,10 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specpair_runtime.openmp import openmp_defaults
 
@@ -26,11 +34,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.fetch_models import cached_pair_or_report
 
+if TYPE_CHECKING:
+    from tools.fetch_models import Role
+
+SHAPED_PAIR_FLAG = "--shaped-pair"
+
 
 def main(extra: list[str]) -> int:
-    dirs = cached_pair_or_report()
-    if dirs is None:
-        return 2
+    if SHAPED_PAIR_FLAG not in extra:
+        dirs = cached_pair_or_report()
+        return 2 if dirs is None else bench(dirs, extra)
+    from tools.shaped_pair import write_shaped_pair
+
+    with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
+        print(
+            "shaped pair (random weights): step costs are real; acceptance and speedups are not",
+            flush=True,
+        )
+        shaped = write_shaped_pair(Path(scratch))
+        return bench(shaped, [flag for flag in extra if flag != SHAPED_PAIR_FLAG])
+
+
+def bench(dirs: Mapping[Role, Path], extra: list[str]) -> int:
+    """``specpair-runtime bench`` on the pair in ``dirs``, with make bench's defaults."""
     import torch
 
     from specpair_runtime.cli import main as cli_main

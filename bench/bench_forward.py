@@ -78,17 +78,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(runner: ModelRunner, context: int) -> None:
-    """Fill slot 0 with ``context`` tokens, the history every timed forward continues."""
+def prefill(runner: ModelRunner, context: int, rows: int = 1) -> None:
+    """Fill slots 0..rows-1 with ``context`` tokens each: what every timed forward continues."""
     ids = torch.randint(100, 1000, (context,), generator=torch.Generator().manual_seed(0))
-    runner.forward([RowSpan(0, 0, context, 0)], ids.to(runner.device), None)
+    spans = [RowSpan(row, row * context, context, 0) for row in range(rows)]
+    runner.forward(spans, ids.repeat(rows).to(runner.device), None)
 
 
-def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -> float:
-    """Median seconds of one forward of ``tokens`` query tokens after ``context`` ones."""
-    ids = torch.randint(100, 1000, (tokens,)).to(runner.device)
-    every = torch.arange(tokens, device=runner.device)  # logits at each position, like a verify
-    span = [RowSpan(0, 0, tokens, context)]
+def time_forward(
+    runner: ModelRunner, tokens: int, context: int, repeats: int, rows: int = 1
+) -> float:
+    """Median seconds of a forward of ``rows`` rows of ``tokens`` tokens after ``context`` each."""
+    ids = torch.randint(100, 1000, (rows * tokens,)).to(runner.device)
+    every = torch.arange(rows * tokens, device=runner.device)  # logits everywhere, like a verify
+    span = [RowSpan(row, row * tokens, tokens, context) for row in range(rows)]
     # Untimed: the first call of a shape (on CUDA, cudagraph trees run it
     # eagerly, then record it, and only the third call replays).
     started = time.perf_counter()
@@ -115,10 +118,12 @@ def measure(
     context: int,
     rounds: int,
     repeats: int = REPEATS,
+    rows: int = 1,
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds per forward: model -> size -> one value per round (rounds alternate).
 
-    ``sizes`` names the query sizes to time for each model in ``runners``.
+    ``sizes`` names the query sizes (tokens per row) to time for each model in
+    ``runners``; each forward has ``rows`` rows, in slots 0..rows-1.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -127,11 +132,11 @@ def measure(
     }
     with torch.inference_mode():
         for runner in runners.values():
-            prefill(runner, context)
+            prefill(runner, context, rows)
         for _ in range(rounds):
             for name, runner in runners.items():
                 for n in sizes[name]:
-                    seconds = time_forward(runner, n, context, repeats)
+                    seconds = time_forward(runner, n, context, repeats, rows)
                     samples[name][n].append(seconds)
                     # As it comes, so that a run cut short still says something.
                     print(f"  {name} {n} tokens: {seconds * 1e3:.1f} ms", file=sys.stderr)
@@ -237,11 +242,11 @@ def graph_kind(engine: SpeculativeEngine) -> str:
 
 
 def transformers_runners(
-    runners: Mapping[str, ModelRunner], max_length: int
+    runners: Mapping[str, ModelRunner], max_length: int, slots: int = 1
 ) -> dict[str, ModelRunner]:
     """A runner per model that takes transformers' forward instead of the engine's loop.
 
-    Same loaded modules and kernels, its own one-slot storage. Where the engine
+    Same loaded modules and kernels, its own storage of ``slots`` slots. Where the engine
     runs transformers' forward anyway (no ``DecoderLoop`` for the model), none.
     """
     from specpair_runtime.engine.runner import ModelRunner
@@ -250,22 +255,24 @@ def transformers_runners(
     for name, runner in runners.items():
         if runner.decoder is None:
             continue
-        other = ModelRunner(runner.loaded, 1, max_length)
+        other = ModelRunner(runner.loaded, slots, max_length)
         other.decoder = None
         others[f"{name}-hf"] = other
     return others
 
 
-def eager_runners(runners: Mapping[str, ModelRunner], max_length: int) -> dict[str, ModelRunner]:
+def eager_runners(
+    runners: Mapping[str, ModelRunner], max_length: int, slots: int = 1
+) -> dict[str, ModelRunner]:
     """A runner per graph-stepping model that runs every forward eagerly (``<model>-eager``).
 
-    Same loaded modules, the engine's own loop, its own one-slot storage: the
+    Same loaded modules, the engine's own loop, its own storage of ``slots`` slots: the
     baseline that replay is set against within each round.
     """
     from specpair_runtime.engine.runner import ModelRunner
 
     return {
-        f"{name}-eager": ModelRunner(runner.loaded, 1, max_length)
+        f"{name}-eager": ModelRunner(runner.loaded, slots, max_length)
         for name, runner in runners.items()
         if runner.graphs is not None
     }
@@ -314,6 +321,14 @@ def main(argv: list[str]) -> int:
         "server with maxBatchSize N does (forwards are timed on one row)",
     )
     parser.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        metavar="N",
+        help="rows per timed forward (each in its own slot after --context tokens): the "
+        "cost of a decode or verify step of N requests",
+    )
+    parser.add_argument(
         "--max-length",
         type=int,
         metavar="N",
@@ -337,6 +352,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--max-length must be >= --context + the largest size + 1 = {needed}")
     if args.slots < 1:
         parser.error(f"--slots must be >= 1, got {args.slots}")
+    if args.rows < 1:
+        parser.error(f"--rows must be >= 1, got {args.rows}")
     if args.eager and (args.compile_graphs or args.baseline_eager):
         parser.error("--eager runs no graphs; drop --compile-graphs and --baseline-eager")
     with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
@@ -366,7 +383,7 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
         length,
         cuda_graphs=not args.eager,
         compile_graphs=args.compile_graphs,
-        slots=args.slots,
+        slots=max(args.slots, args.rows),
     )
     started = time.perf_counter()
     shapes = engine.warm_up_graphs()
@@ -381,9 +398,9 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
     if engine.draft is not None:
         runners["draft"] = engine.draft
     if args.baseline_eager:
-        runners.update(eager_runners(runners, length))
+        runners.update(eager_runners(runners, length, args.rows))
     if args.transformers_forward:
-        runners.update(transformers_runners(runners, length))
+        runners.update(transformers_runners(runners, length, args.rows))
     print(
         f"{'shaped pair (random weights)' if args.shaped_pair else 'real pair'} on "
         f"device {device} ({engine.target.dtype}, "
@@ -392,11 +409,12 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
         f"torch threads {torch.get_num_threads()}, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}; "
-        f"context {args.context}, {args.rounds} rounds of {REPEATS} forwards per size",
+        f"{args.rows} row(s) per forward, context {args.context}, "
+        f"{args.rounds} rounds of {REPEATS} forwards per size",
         flush=True,
     )
     every = {name: args.tokens for name in runners}
-    samples = measure(runners, every, context=args.context, rounds=args.rounds)
+    samples = measure(runners, every, context=args.context, rounds=args.rounds, rows=args.rows)
     rows = summarize(samples)
     print(format_rows(rows))
     for name, n, ratio, low, high in loop_ratios(samples):
@@ -410,7 +428,8 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
         report = {
             "graphs": graph_kind(engine),
             "max_length": length,
-            "slots": args.slots,
+            "slots": max(args.slots, args.rows),
+            "rows_per_forward": args.rows,
             "warm_up_shapes": shapes,
             "warm_up_seconds": round(warm_up_seconds, 2),
             "rows": [row.__dict__ for row in rows],

@@ -16,8 +16,8 @@ On a machine with a CUDA GPU and the real pair in the cache (``make models``):
 Without CUDA it exits 2 with a message that says why, before doing anything
 else (``--preflight`` does only that check). Without the real pair in the
 cache it runs what needs no real weights (the tests that build tiny models,
-and the forward costs on the pair's architecture with random weights), and
-the report fails with ``"real_pair": false``. Offline: nothing here needs a
+and the engine bench and the forward costs on the pair's architecture with
+random weights), and the report fails with ``"real_pair": false``. Offline: nothing here needs a
 network or files outside the repo and the model cache.
 
     .venv/bin/python scripts/gpu_check.py [--output FILE] [--skip-bench] [-- BENCH FLAGS]
@@ -201,13 +201,19 @@ def failed(completed: subprocess.CompletedProcess[str]) -> dict[str, object]:
     return {"ok": False, "exit_code": completed.returncode, "output_tail": tail}
 
 
-def run_bench(extra: list[str]) -> dict[str, object]:
-    """``bench/bench_engine.py`` in bf16; its JSON result, or why there is none."""
-    completed, command = run_script("bench_engine.py", [*BENCH_FLAGS, *extra])
+def run_bench(extra: list[str], *, shaped: bool = False) -> dict[str, object]:
+    """``bench/bench_engine.py`` in bf16; its JSON result, or why there is none.
+
+    ``shaped``: on the real pair's architecture with random weights (no real
+    pair here): the step costs and the engine's overhead per step are real,
+    the acceptance and the speedups are not.
+    """
+    flags = [*BENCH_FLAGS, *extra, *(["--shaped-pair"] if shaped else [])]
+    completed, command = run_script("bench_engine.py", flags)
     result = last_json_line(completed.stdout)
     if completed.returncode != 0 or result is None:
-        return failed(completed)
-    return {"ok": True, "command": command, "result": result}
+        return {**failed(completed), "shaped_pair": shaped}
+    return {"ok": True, "shaped_pair": shaped, "command": command, "result": result}
 
 
 def run_numerics() -> dict[str, object]:
@@ -267,8 +273,8 @@ def main(argv: list[str]) -> int:
         # A GPU machine may have no network to fetch the pair: run what needs
         # no real weights, and fail the report, which says what did not run.
         print(
-            "gpu-check: without the real pair its tests skip, the engine bench and the "
-            "numerics do not run, and the forward costs use its shapes with random weights",
+            "gpu-check: without the real pair its tests skip, the numerics do not run, and "
+            "the engine bench and the forward costs use its shapes with random weights",
             file=sys.stderr,
         )
     started = time.time()
@@ -279,7 +285,7 @@ def main(argv: list[str]) -> int:
         if args.skip_bench:
             bench, numerics, forward = skipped, skipped, skipped
         else:
-            bench = run_bench(bench_extra) if real_pair else no_pair
+            bench = run_bench(bench_extra, shaped=not real_pair)
             numerics = run_numerics() if real_pair else no_pair
             forward = run_forward_costs(Path(work), shaped=not real_pair)
     parts = (bench, numerics, forward)

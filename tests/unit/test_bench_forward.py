@@ -118,3 +118,25 @@ def test_eager_baselines_only_for_graph_stepping_models() -> None:
     assert baseline.storage is not engine.target.storage
     samples = {"target": {1: [1.0, 1.0]}, "target-eager": {1: [4.0, 2.0]}}
     assert paired_ratios(samples, "-eager") == [("target", 1, 0.375, 0.25, 0.5)]
+
+
+def test_forwards_of_several_rows_keep_every_rows_context() -> None:
+    pair = build_pair("llama", seed=0)
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, pair.tokenizer, "target"),
+        None,
+        SpeculationKnobs(),
+        options=EngineOptions(max_slots=3, max_length=32),
+    )
+    storage = engine.target.storage
+    assert storage is not None
+    with torch.inference_mode():
+        prefill(engine.target, CONTEXT, rows=3)
+    context = storage.tensor[..., :CONTEXT, :].clone()
+    # Every row's slot holds the same context (one prompt, three slots).
+    assert torch.equal(context[:, :, 0], context[:, :, 2])
+    samples = measure(
+        {"target": engine.target}, {"target": [1, 4]}, context=CONTEXT, rounds=1, repeats=1, rows=3
+    )
+    assert set(samples["target"]) == {1, 4}
+    assert torch.equal(storage.tensor[..., :CONTEXT, :], context)
