@@ -83,3 +83,20 @@ def test_the_bench_result_is_the_last_json_line() -> None:
 def test_bench_flags_after_a_double_dash() -> None:
     args, extra = gpu_check.parse_args(["--skip-bench", "--", "--runs", "5"])
     assert args.skip_bench and extra == ["--runs", "5"]
+
+
+def test_a_given_gpu_python_installs_and_fetches_nothing() -> None:
+    """``make gpu-check GPU_PYTHON=...``: an offline GPU image's own interpreter, as it is."""
+    root = SCRIPT.parents[1]
+    planned = subprocess.run(
+        ["make", "-n", "--no-print-directory", "gpu-check", "GPU_PYTHON=/opt/gpu/bin/python3"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    assert planned.splitlines() == [
+        "PYTHONPATH=runtime:operator:.${PYTHONPATH:+:$PYTHONPATH} "
+        "/opt/gpu/bin/python3 scripts/gpu_check.py --output gpu-check.json"
+    ]
