@@ -57,6 +57,29 @@ def tiny_pair_on_cuda() -> tuple[LoadedModel, LoadedModel, list[list[int]]]:
     return target, draft, [tok(t)["input_ids"] for t in TEXTS]
 
 
+def cpu_engines(
+    options: EngineOptions, knobs: SpeculationKnobs = FIXED
+) -> tuple[SpeculativeEngine, SpeculativeEngine, Any]:
+    """The tiny pair on the CPU: (target-only engine, pair engine, tokenizer).
+
+    The pair engine runs plain linears, as on CUDA, so that a test can
+    install graph steps on its runners; the target-only one gives the
+    expected tokens.
+    """
+    pair = build_pair("llama", seed=0)
+    tok = pair.tokenizer
+    eager = SpeculativeEngine(as_loaded(pair.target, tok, "t"), None, knobs, options=options)
+    engine = SpeculativeEngine(
+        as_loaded(pair.target, tok, "t"),
+        as_loaded(pair.draft, tok, "d"),
+        knobs,
+        options=options,
+        cpu_kernels="default",
+    )
+    assert engine.draft is not None
+    return eager, engine, tok
+
+
 RECORDING = [pytest.param(False, id="capture"), pytest.param(True, id="compile")]
 
 
@@ -125,20 +148,10 @@ def test_captured_shapes_replay_from_their_static_buffers() -> None:
     largest, and the greedy tokens stay the eager ones. The cuda tests record
     real graphs.
     """
-    pair = build_pair("llama", seed=0)
-    tok = pair.tokenizer
-    prompts = [tok(t)["input_ids"] for t in TEXTS]
-    options = EngineOptions(max_slots=4, max_length=128)
-    eager = SpeculativeEngine(as_loaded(pair.target, tok, "t"), None, FIXED, options=options)
-    expected = [r.token_ids for r in generate(eager, prompts, GREEDY)]
-    engine = SpeculativeEngine(
-        as_loaded(pair.target, tok, "t"),
-        as_loaded(pair.draft, tok, "d"),
-        FIXED,
-        options=options,
-        cpu_kernels="default",
-    )
+    eager, engine, tok = cpu_engines(EngineOptions(max_slots=4, max_length=128))
     assert engine.draft is not None
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    expected = [r.token_ids for r in generate(eager, prompts, GREEDY)]
     bodies: list[Callable[[], None]] = []
 
     def rerun(body: Callable[[], None]) -> Callable[[], None]:
@@ -265,19 +278,9 @@ def test_the_warm_up_compiles_every_shape_that_serving_then_takes() -> None:
     depth and uniform prefill chunks, compile nothing new. The warm-up writes
     only the scratch slot, so the greedy tokens stay the eager ones.
     """
-    pair = build_pair("llama", seed=0)
-    tok = pair.tokenizer
     texts = [*TEXTS, "The refund will appear", "a b c d e f g h"]
-    options = EngineOptions(max_slots=8, max_length=160)
     knobs = SpeculationKnobs(max_depth=4, min_depth=1, adaptive=True)
-    eager = SpeculativeEngine(as_loaded(pair.target, tok, "t"), None, knobs, options=options)
-    engine = SpeculativeEngine(
-        as_loaded(pair.target, tok, "t"),
-        as_loaded(pair.draft, tok, "d"),
-        knobs,
-        options=options,
-        cpu_kernels="default",
-    )
+    eager, engine, tok = cpu_engines(EngineOptions(max_slots=8, max_length=160), knobs)
     assert engine.draft is not None
     compiles: list[int] = []
     taken: set[tuple[int, int]] = set()
