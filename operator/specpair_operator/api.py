@@ -480,8 +480,8 @@ class ServingSpec(ContractModel):
         default=None,
         description=(
             "With cudaGraphs: record torch.compile's fused step instead of capturing the "
-            "eager one. Its compiles take minutes before the pod turns ready (raise "
-            "rollout.startupTimeoutSeconds to match). "
+            "eager one. Its compiles take minutes before the pod turns ready, which "
+            "rollout.startupTimeoutSeconds must cover. "
             f"Unset: {_runtime_default('cuda_graph_compile')}."
         ),
     )
