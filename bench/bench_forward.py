@@ -376,6 +376,7 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
     # The draft as make bench runs it; the target is never quantized.
     quantization = args.draft_quantization or recommended_draft_quantization(device.type)
     length = args.max_length or args.context + max(args.tokens) + 1
+    slots = max(args.slots, args.rows)
     _, engine = pair_and_engine(
         dirs,
         str(device),
@@ -383,7 +384,7 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
         length,
         cuda_graphs=not args.eager,
         compile_graphs=args.compile_graphs,
-        slots=max(args.slots, args.rows),
+        slots=slots,
     )
     started = time.perf_counter()
     shapes = engine.warm_up_graphs()
@@ -422,20 +423,21 @@ def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:
             f"{name} {n} tokens: engine loop / transformers forward "
             f"{ratio:.2f} [{low:.2f}-{high:.2f}]"
         )
-    for name, n, ratio, low, high in paired_ratios(samples, "-eager"):
+    replay_vs_eager = paired_ratios(samples, "-eager")
+    for name, n, ratio, low, high in replay_vs_eager:
         print(f"{name} {n} tokens: graph replay / eager {ratio:.2f} [{low:.2f}-{high:.2f}]")
     if args.json is not None:
         report = {
             "graphs": graph_kind(engine),
             "max_length": length,
-            "slots": max(args.slots, args.rows),
+            "slots": slots,
             "rows_per_forward": args.rows,
             "warm_up_shapes": shapes,
             "warm_up_seconds": round(warm_up_seconds, 2),
             "rows": [row.__dict__ for row in rows],
             "replay_vs_eager": [
                 {"model": name, "tokens": n, "ratio": r, "min": low, "max": high}
-                for name, n, r, low, high in paired_ratios(samples, "-eager")
+                for name, n, r, low, high in replay_vs_eager
             ],
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -17,8 +17,8 @@ Without CUDA it exits 2 with a message that says why, before doing anything
 else (``--preflight`` does only that check). Without the real pair in the
 cache it runs what needs no real weights (the tests that build tiny models,
 and the engine bench and the forward costs on the pair's architecture with
-random weights), and the report fails with ``"real_pair": false``. Offline: nothing here needs a
-network or files outside the repo and the model cache.
+random weights), and the report fails with ``"real_pair": false``. Offline:
+nothing here needs a network or files outside the repo and the model cache.
 
     .venv/bin/python scripts/gpu_check.py [--output FILE] [--skip-bench] [-- BENCH FLAGS]
 """
