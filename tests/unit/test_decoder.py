@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import sys
 
 import pytest
 import torch
@@ -43,6 +45,7 @@ def runners(model: PreTrainedModel, kernels: str) -> tuple[ModelRunner, ModelRun
         pytest.skip("this torch build has no oneDNN linear")
     tok = build_tokenizer()
     pair = [as_loaded(model, tok, "m"), as_loaded(copy.deepcopy(model), tok, "copy")]
+    pair = [dataclasses.replace(loaded, dtype=model.dtype) for loaded in pair]
     if kernels == "onednn":
         for loaded in pair:
             use_onednn_linears(loaded.model)
@@ -86,3 +89,39 @@ def test_loop_runs_only_models_it_knows_with_fused_projections(
     fuse_projections(other)
     monkeypatch.setattr(type(other.config), "model_type", "qwen3")  # q/k norms: not run here
     assert DecoderLoop.of(other) is None
+
+
+def test_a_model_whose_norm_or_rotation_gives_other_bits_runs_its_own_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop's own norm and rotation are probed against the modules they stand for."""
+    tok = build_tokenizer()
+    model = build_qwen2(tok)
+    fuse_projections(model)
+    assert DecoderLoop.of(model) is not None
+    modeling = sys.modules[type(model).__module__]
+    original = modeling.apply_rotary_pos_emb
+
+    def interleaved(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = original(q, k, cos, sin)
+        return q_out.flip(-1), k_out.flip(-1)  # another rotation: other bits
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", interleaved)
+    assert DecoderLoop.of(model) is None
+    monkeypatch.undo()
+    norm = model.model.layers[1].post_attention_layernorm
+    monkeypatch.setattr(norm, "variance_epsilon", 1e-2)  # fine: the loop reads it from the module
+    assert DecoderLoop.of(model) is not None
+    monkeypatch.setattr(norm, "forward", lambda hidden: hidden * norm.weight)  # no normalizing
+    assert DecoderLoop.of(model) is None
+
+
+def test_own_loop_equals_transformers_forward_in_bfloat16() -> None:
+    """The norm's upcast and the rotation in a half-precision dtype, as on CUDA."""
+    tok = build_tokenizer()
+    model = build_qwen2(tok, seed=3).to(torch.bfloat16)
+    own, reference = runners(model, "default")
+    for rows in STEPS:
+        assert torch.equal(run(own, rows), run(reference, rows))

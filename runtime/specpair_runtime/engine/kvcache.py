@@ -276,14 +276,23 @@ class SlotCache:
         kwargs: dict[str, Any] | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [1, H, T, D] -> [T, H, D], the layout of storage[slot, :, position].
+        keys, values = self.write(
+            layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        )
+        if kwargs is not None:
+            kwargs[BATCH_KEY] = self.batch
+        return keys, values
+
+    def write(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys and values [T, H, D] of this forward; returns the layer's storage."""
         keys = self.storage.keys(layer_idx)
         values = self.storage.values(layer_idx)
         index = (self.batch.write_slot, slice(None), self.batch.write_position)
-        # [1, H, T, D] -> [T, H, D], the layout of storage[slot, :, position].
-        keys[index] = key_states[0].transpose(0, 1).to(keys.dtype)
-        values[index] = value_states[0].transpose(0, 1).to(values.dtype)
-        if kwargs is not None:
-            kwargs[BATCH_KEY] = self.batch
+        keys[index] = key_states.to(keys.dtype)
+        values[index] = value_states.to(values.dtype)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
