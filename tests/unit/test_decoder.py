@@ -121,7 +121,8 @@ def test_a_model_whose_norm_or_rotation_gives_other_bits_runs_its_own_forward(
 def test_own_loop_equals_transformers_forward_in_bfloat16() -> None:
     """The norm's upcast and the rotation in a half-precision dtype, as on CUDA."""
     tok = build_tokenizer()
-    model = build_qwen2(tok, seed=3).to(torch.bfloat16)
+    model = build_qwen2(tok, seed=3)
+    model.requires_grad_(False).bfloat16()
     own, reference = runners(model, "default")
     for rows in STEPS:
         assert torch.equal(run(own, rows), run(reference, rows))
