@@ -102,13 +102,13 @@ def test_a_model_whose_norm_or_rotation_gives_other_bits_runs_its_own_forward(
     modeling = sys.modules[type(model).__module__]
     original = modeling.apply_rotary_pos_emb
 
-    def interleaved(
+    def other_rotation(
         q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = original(q, k, cos, sin)
         return q_out.flip(-1), k_out.flip(-1)  # another rotation: other bits
 
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", interleaved)
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", other_rotation)
     assert DecoderLoop.of(model) is None
     monkeypatch.undo()
     norm = model.model.layers[1].post_attention_layernorm
