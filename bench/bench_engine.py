@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,7 +31,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.fetch_models import cached_pair_or_report
 
 if TYPE_CHECKING:
     from tools.fetch_models import Role
@@ -41,18 +39,19 @@ SHAPED_PAIR_FLAG = "--shaped-pair"
 
 
 def main(extra: list[str]) -> int:
-    if SHAPED_PAIR_FLAG not in extra:
-        dirs = cached_pair_or_report()
-        return 2 if dirs is None else bench(dirs, extra)
-    from tools.shaped_pair import write_shaped_pair
+    from tools.shaped_pair import bench_pair
 
-    with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
-        print(
-            "shaped pair (random weights): step costs are real; acceptance and speedups are not",
-            flush=True,
-        )
-        shaped = write_shaped_pair(Path(scratch))
-        return bench(shaped, [flag for flag in extra if flag != SHAPED_PAIR_FLAG])
+    shaped = SHAPED_PAIR_FLAG in extra
+    with bench_pair(shaped=shaped) as dirs:
+        if dirs is None:
+            return 2
+        if shaped:
+            print(
+                "shaped pair (random weights): step costs are real; "
+                "acceptance and speedups are not",
+                flush=True,
+            )
+        return bench(dirs, [flag for flag in extra if flag != SHAPED_PAIR_FLAG])
 
 
 def bench(dirs: Mapping[Role, Path], extra: list[str]) -> int:

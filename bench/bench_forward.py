@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,6 @@ os.environ.update(openmp_defaults(os.environ))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from tools.fetch_models import cached_pair_or_report
 
 from specpair_runtime.config import Quantization
 from specpair_runtime.engine.kvcache import RowSpan
@@ -356,16 +354,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"--rows must be >= 1, got {args.rows}")
     if args.eager and (args.compile_graphs or args.baseline_eager):
         parser.error("--eager runs no graphs; drop --compile-graphs and --baseline-eager")
-    with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
-        if args.shaped_pair:
-            from tools.shaped_pair import write_shaped_pair
+    from tools.shaped_pair import bench_pair
 
-            dirs: dict[Role, Path] | None = write_shaped_pair(Path(scratch))
-        else:
-            dirs = cached_pair_or_report()
-        if dirs is None:
-            return 2
-        return run(args, dirs)
+    with bench_pair(shaped=args.shaped_pair) as dirs:
+        return 2 if dirs is None else run(args, dirs)
 
 
 def run(args: argparse.Namespace, dirs: Mapping[Role, Path]) -> int:

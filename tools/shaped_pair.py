@@ -13,7 +13,9 @@ The shapes are those of the converted real pair's ``config.json``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from tools.fetch_models import cached_pair_or_report
 from tools.tiny_models import build_tokenizer, save_model, special_token_ids
 
 if TYPE_CHECKING:
@@ -92,3 +95,18 @@ def write_shaped_pair(
         dirs[role] = save_model(model, tokenizer, root / role)
         del model
     return dirs
+
+
+@contextmanager
+def bench_pair(*, shaped: bool) -> Iterator[dict[Role, Path] | None]:
+    """The pair a benchmark runs on, for the block's duration.
+
+    ``shaped``: this module's pair, written to a scratch folder that the block
+    removes; otherwise the cached real pair, or None (with the reason printed)
+    where it is not cached.
+    """
+    if not shaped:
+        yield cached_pair_or_report()
+        return
+    with tempfile.TemporaryDirectory(prefix="shaped-pair-") as scratch:
+        yield write_shaped_pair(Path(scratch))

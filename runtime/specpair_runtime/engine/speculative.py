@@ -40,6 +40,7 @@ Single-threaded: call ``add_request``/``abort``/``step`` from one thread.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import OrderedDict
@@ -240,16 +241,15 @@ class SpeculativeEngine:
             for loaded in (target, draft):
                 if loaded is not None and loaded.device.type == "cpu":
                     use_onednn_linears(loaded.model)
-        slots, length = self.options.max_slots, self.options.max_length
-        graphs, compiled = self.options.cuda_graphs, self.options.cuda_graph_compile
-        self.target = ModelRunner(
-            target, slots, length, cuda_graphs=graphs, compile_graphs=compiled
+        runner = functools.partial(
+            ModelRunner,
+            slots=self.options.max_slots,
+            max_length=self.options.max_length,
+            cuda_graphs=self.options.cuda_graphs,
+            compile_graphs=self.options.cuda_graph_compile,
         )
-        self.draft = (
-            ModelRunner(draft, slots, length, cuda_graphs=graphs, compile_graphs=compiled)
-            if draft is not None
-            else None
-        )
+        self.target = runner(target)
+        self.draft = runner(draft) if draft is not None else None
         self.tokenizer = target.tokenizer
         self.device = target.device
         self.budget = self.options.step_budget(self.device)
@@ -261,7 +261,7 @@ class SpeculativeEngine:
         self._floor_reason: str | None = None
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []  # admission order
-        self._free_slots = list(range(slots))
+        self._free_slots = list(range(self.options.max_slots))
         self._steps = 0  # steps run, for the prefill order's aging
         self._done: OrderedDict[str, RequestStats] = OrderedDict()
         # Target-only steps by reason: no_draft, refused, disabled, a pause reason,
