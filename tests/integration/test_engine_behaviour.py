@@ -10,6 +10,7 @@ from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, Spec
 from specpair_runtime.engine import speculative
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
+from specpair_runtime.engine.depth import MIN_VERDICT_STEPS
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEngine, generate
 
@@ -350,7 +351,8 @@ def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=200))
     while not outputs.get("a"):
         _drain(engine, outputs)
-    _drain(engine, outputs)  # a's first speculation step: its t_v(1) is now wanted
+    while engine.controller.cost.speculation_samples < MIN_VERDICT_STEPS:
+        _drain(engine, outputs)  # a verdict is due: its t_v(1) is now wanted
     engine.add_request("long", prompts[0] * 12, GREEDY)
     depths: list[int] = []
     while not outputs.get("long"):
@@ -361,6 +363,34 @@ def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     assert all(depth > 0 for depth in depths)
     _drain(engine, outputs)  # both decode, no chunk: the probe runs now
     assert engine.fallback_counts.get("probe", 0) == 1
+
+
+def test_a_requests_last_token_is_the_targets_alone_and_times_target_only(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    # With one token left a request drafts nothing, so its draft is not fed either,
+    # and the step is a target-only step like a probe's: the depth rule takes its
+    # time, and needs no probe of its own.
+    engine = _engine(pair, SpeculationKnobs(max_depth=3, acceptance_floor=0.0))
+    assert engine.draft is not None
+    draft_forward = engine.draft.forward
+    fed: list[int] = []
+
+    def counting_forward(rows, input_ids, sample_index, **kwargs):  # type: ignore[no-untyped-def]
+        fed.append(int(input_ids.numel()))
+        return draft_forward(rows, input_ids, sample_index, **kwargs)
+
+    engine.draft.forward = counting_forward  # type: ignore[method-assign]
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=2))
+    _drain(engine, outputs)  # the prompt (the draft's up to its last token); the first token
+    assert fed == [len(prompts[1]) - 1] and len(outputs["a"]) == 1
+    _drain(engine, outputs)  # the last token: the target alone
+    assert fed == [len(prompts[1]) - 1] and outputs["a"] == alone[1][:2]
+    assert not engine.has_unfinished()
+    assert engine.last_step_depth == 0
+    assert 1 in engine.controller.cost.target_only_seconds
+    assert engine.fallback_counts.get("probe", 0) == 0
 
 
 def test_every_step_reports_its_time_and_what_it_carried(

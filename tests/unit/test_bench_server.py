@@ -8,10 +8,14 @@ from bench.bench_server import (
     LevelResult,
     StreamResult,
     describe_held_back,
+    describe_round,
     describe_steps,
     describe_ttft,
+    goal_ratios,
     held_back_steps,
     is_long,
+    merge_rounds,
+    round_order,
     step_delta,
     step_totals,
 )
@@ -82,3 +86,42 @@ def test_every_other_prompt_of_a_stream_is_long_and_its_ttft_is_reported_apart()
     assert describe_ttft(level) == (
         "short prompts p50 500.0 / p95 500.0 ms (1), long prompts p50 9000.0 / p95 9000.0 ms (1)"
     )
+
+
+def test_rounds_alternate_the_order_of_the_levels() -> None:
+    assert [round_order([8, 1], r) for r in range(3)] == [[1, 8], [8, 1], [1, 8]]
+
+
+def test_a_levels_rounds_pool_their_gaps_steps_and_held_back_steps() -> None:
+    first = LevelResult("speculation", 8, 10.0, held_back_steps=1)
+    first.results.append(StreamResult(ttft=0.1, gaps=[0.2] * 99, chunks=100, tokens=150))
+    first.steps = {"decode": {"count": 10, "mean_ms": 200.0}}
+    second = LevelResult("speculation", 8, 30.0, held_back_steps=2)
+    second.results.append(StreamResult(ttft=0.3, gaps=[0.6] * 99, chunks=100, tokens=150))
+    second.steps = {
+        "decode": {"count": 30, "mean_ms": 300.0},
+        "mixed": {"count": 5, "mean_ms": 400.0},
+    }
+    merged = merge_rounds([first, second])
+    summary = merged.summary()
+    assert (summary["requests"], summary["gaps"], summary["tokens"]) == (2, 198, 300)
+    assert summary["tokens_per_s"] == 7.5  # 300 tokens over both rounds' 40 s
+    assert summary["held_back_steps"] == 3
+    assert merged.steps == {
+        "decode": {"count": 40, "mean_ms": 275.0},
+        "mixed": {"count": 5, "mean_ms": 400.0},
+    }
+    # The slow round's gaps set the pooled p99, not the mean of two p99s.
+    assert summary["itl_ms"]["p99"] == pytest.approx(600.0)
+    with pytest.raises(ValueError, match="one mode and level"):
+        merge_rounds([first, LevelResult("speculation", 1, 1.0)])
+
+
+def test_the_goal_ratio_is_the_top_levels_p99_over_one_streams() -> None:
+    single = LevelResult("speculation", 1, 1.0)
+    single.results.append(StreamResult(ttft=0.1, gaps=[0.4] * 10, chunks=11, tokens=11))
+    top = LevelResult("speculation", 8, 1.0)
+    top.results.append(StreamResult(ttft=0.1, gaps=[0.5] * 10, chunks=11, tokens=11))
+    assert goal_ratios([top, single]) == {"speculation": 1.25}
+    assert describe_round([top, single], "speculation") == "1.25x (500 / 400 ms)"
+    assert describe_round([top, single], "target-only") == "-"

@@ -169,13 +169,13 @@ def test_controller_probes_target_only_then_backs_off() -> None:
     assert controller.plan(1).cap == 4  # nothing measured yet
     controller.cost.record_draft(1, 0.5)
     controller.cost.record_verify(1, 5, 3.0)
-    controller.record_speculation_step(4, 1)
-    plan = controller.plan(1)
-    assert (plan.cap, plan.reason) == (0, "probe")  # t_v(1) unknown: measure it
-    controller.cost.record_verify(1, 1, 1.0)
-    assert controller.plan(1).cap >= 1  # one step is no verdict: keep measuring
     for _ in range(MIN_VERDICT_STEPS - 1):
         controller.record_speculation_step(4, 1)
+        assert controller.plan(1).cap >= 1  # no verdict is due: t_v(1) is not wanted yet
+    controller.record_speculation_step(4, 1)
+    plan = controller.plan(1)
+    assert (plan.cap, plan.reason) == (0, "probe")  # a verdict is due: measure t_v(1)
+    controller.cost.record_verify(1, 1, 1.0)
     plan = controller.plan(1)
     assert (plan.cap, plan.reason) == (0, "not_paying")
     for _ in range(FIRST_BACKOFF):
@@ -301,10 +301,11 @@ def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
     controller = DepthController(SpeculationKnobs(max_depth=4))
     controller.cost.record_draft(1, 0.5)
     controller.cost.record_verify(1, 5, 3.0)
-    controller.record_speculation_step(4, 1)
+    for _ in range(MIN_VERDICT_STEPS):
+        controller.record_speculation_step(4, 1)
     assert controller.plan(1, timed=False).cap >= 1
     assert (controller.plan(1).cap, controller.plan(1).reason) == (0, "probe")
-    controller.cost.record_verify(1, 1, 1.0)
+    controller.cost.record_verify(1, 1, 5.0)  # slower than speculating: it pays
     controller.cost.steps_since_target_probe = PROBE_TARGET_EVERY
     assert controller.plan(1, timed=False).cap >= 1
     assert controller.plan(1).reason == "probe"

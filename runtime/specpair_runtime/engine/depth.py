@@ -48,9 +48,12 @@ by being cut short, not by wasted verify work):
    pays again). A re-probe speculates only in steps without prompt chunks:
    on 2 CPU cores a depth-1 step of 8 rows costs about twice a target-only
    one, and with a prompt chunk and a draft catch-up on top it took 2-3x
-   (one in-process trace, docs/benchmarks.md). While
-   speculating it probes one target-only step when ``t_v(1)`` is unknown
-   (after the first speculation step) and every 64 speculation steps, in a
+   (one in-process trace, docs/benchmarks.md). Every step without drafts and
+   without prompt work is timed as ``t_v(1)``, whatever made it one: a probe,
+   or rows that draft nothing (a row's last token, at one stream). While
+   speculating it probes one target-only step when ``t_v(1)`` is still
+   unknown once a verdict is due (``MIN_VERDICT_STEPS``) and when no such
+   step was timed in the last 64 speculation steps, in a
    step without prompt chunks (only those are timed), and
    when the cap is below the batch cap, every ``EXPLORE_EVERY`` speculation
    steps drafts at the batch cap once, so the deeper positions' acceptance
@@ -345,8 +348,15 @@ class DepthController:
         if not self.knobs.adaptive:
             return StepPlan(cap, None)
         cost = self.cost
+        # Only the "not paying" verdict reads t_v(1), and none is due before
+        # MIN_VERDICT_STEPS: until then a row's last token (a step without drafts)
+        # may time it for free. Probing after the first step cost ``make bench``'s
+        # default one step of ~1 token in every ~33 (docs/benchmarks.md, stop 40).
         probe_target = timed and (
-            (batch_size not in cost.target_only_seconds and self.speculation_steps >= 1)
+            (
+                batch_size not in cost.target_only_seconds
+                and cost.speculation_samples >= MIN_VERDICT_STEPS
+            )
             or cost.steps_since_target_probe >= PROBE_TARGET_EVERY
         )
         if probe_target:

@@ -540,7 +540,9 @@ class SpeculativeEngine:
             first_catch_up = True
             for row in rows:
                 request = row.request
-                if row.draft_samples:
+                # A request with one token left never drafts again: its last token
+                # comes from the target alone, so a catch-up would be wasted.
+                if row.draft_samples or request.remaining <= 1:
                     continue
                 lag = request.sequence_len - 1 - request.draft_len
                 size = chunk_size(lag, draft_budget, first_catch_up)
@@ -844,6 +846,8 @@ class SpeculativeEngine:
             self.controller.record_target_only_step(reason)
             return
         if not drafting:
+            if pure:  # a target-only step of its own accord (rows with one token left)
+                cost.record_verify(batch, 1, verify_seconds)
             return
         drafted_depth = drafting[0].num_draft  # below ``depth`` where the confidence stop cut
         if pure and len(drafting) == batch and all(r.num_draft == drafted_depth for r in drafting):
