@@ -26,7 +26,12 @@ then 226-249 ms for the rest of the run (stop 40). Run one after the other,
 the single-stream baseline and the 8-stream level could fall into different
 spells, and their ratio moved with the spell, not with the engine;
 interleaved, both sample the same spells. Each round's own ratio is printed
-too, as the spread.
+too, as the spread. A round is the whole load of one earlier run
+(``--requests-per-stream`` each): with fewer requests per round, more of a
+level's short prompts arrive in the burst that starts it, where every
+stream prefills at once, and the short prompts' time to first token reads
+higher (at 2 requests per stream and round on the 1.5B pair, a p50 of
+2.2-2.5 s at 8 streams against 0.86 s).
 
 ``--long-prompt-words N`` puts N words of context before every other prompt,
 so long prompts keep arriving while the other streams decode: the load that
@@ -575,7 +580,7 @@ def main() -> int:
     parser.add_argument(
         "--requests-per-stream",
         type=positive_int,
-        default=2,
+        default=4,  # per round: each round is the load that one run was before rounds
         metavar="N",
         help="at least N; more when needed for every prompt to be sent equally often",
     )
