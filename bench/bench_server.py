@@ -30,8 +30,8 @@ too, as the spread. A round is the whole load of one earlier run
 (``--requests-per-stream`` each): with fewer requests per round, more of a
 level's short prompts arrive in the burst that starts it, where every
 stream prefills at once, and the short prompts' time to first token reads
-higher (at 2 requests per stream and round on the 1.5B pair, a p50 of
-2.2-2.5 s at 8 streams against 0.86 s).
+higher (on the 1.5B pair at 8 streams, a p50 of 2.2-2.5 s at 2 requests
+per stream and round, against 0.89-0.98 s at 4).
 
 ``--long-prompt-words N`` puts N words of context before every other prompt,
 so long prompts keep arriving while the other streams decode: the load that
