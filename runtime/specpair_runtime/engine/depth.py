@@ -350,8 +350,8 @@ class DepthController:
         cost = self.cost
         # Only the "not paying" verdict reads t_v(1), and none is due before
         # MIN_VERDICT_STEPS: until then a row's last token (a step without drafts)
-        # may time it for free. Probing after the first step cost ``make bench``'s
-        # default one step of ~1 token in every ~33 (docs/benchmarks.md, stop 40).
+        # may time it for free. A probe commits one token per row where a
+        # speculation step on the demo pair commits about 2.9.
         probe_target = timed and (
             (
                 batch_size not in cost.target_only_seconds
