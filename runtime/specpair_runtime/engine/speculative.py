@@ -840,14 +840,14 @@ class SpeculativeEngine:
         pure = catch_up == 0 and all(r.samples and len(r.target_tokens) == 1 for r in rows)
         cost = self.controller.cost
         batch = len(rows)
+        if pure and not drafting:
+            # A target-only step, whatever made it one: a probe, a fallback, or rows
+            # with one token left (at depth 0 no row drafts).
+            cost.record_verify(batch, 1, verify_seconds)
         if depth == 0:
-            if pure:
-                cost.record_verify(batch, 1, verify_seconds)
             self.controller.record_target_only_step(reason)
             return
         if not drafting:
-            if pure:  # a target-only step of its own accord (rows with one token left)
-                cost.record_verify(batch, 1, verify_seconds)
             return
         drafted_depth = drafting[0].num_draft  # below ``depth`` where the confidence stop cut
         if pure and len(drafting) == batch and all(r.num_draft == drafted_depth for r in drafting):
