@@ -419,6 +419,7 @@ RUNTIME_SERVING_OPTIONS = (
     "cuda_graphs",
     "cuda_graph_compile",
     "prefill_order",
+    "prefix_reuse",
     "cpu_threads",
     "max_request_body_bytes",
     "header_timeout_seconds",
@@ -493,6 +494,18 @@ class ServingSpec(ContractModel):
             "token read, so a long one is passed by later, shorter ones for at most as many "
             "steps as it has tokens) or arrival (oldest first: long prompts enter sooner, "
             "short ones wait behind them). Unset: shortest-first."
+        ),
+    )
+    prefix_reuse: bool | None = Field(
+        default=None,
+        description=(
+            "A new request starts after the longest prefix of its prompt (a shared system "
+            "prompt, an earlier chat turn) whose keys and values a KV slot still holds, so "
+            "its time to first token shrinks by the reused part; usage reports that part as "
+            "prompt_tokens_details.cached_tokens. Turn it off where tenants must not learn "
+            "about each other: with reuse on, a request's time to first token reveals "
+            "whether another request recently sent the same prompt prefix (why vLLM added "
+            f"a cache salt). Unset: {_runtime_default('prefix_reuse')}."
         ),
     )
     cpu_threads: int | None = Field(

@@ -16,10 +16,19 @@ models, whose q/k/v and gate/up projections the loader fused
 (``engine/fused_projections.py``): HF's forward runs each fused GEMM once, as
 the engine's own loop does, so the fusion speeds up both sides and the ratio
 shows only what the engine does differently.
+
+Within an engine mode the prompts run one after the other on one engine, so
+each reuses what the one before left in the KV slot (``engine/prefix_reuse.py``):
+with the chat template, the shared system prompt, as a server does for a
+deployment's system prompt. transformers' ``generate`` starts every call from
+an empty cache. So the default also runs with prefix reuse off (its own row),
+and the untimed warm-up reads the first prompt with a first token that no
+prompt starts with: the same shapes, and no prefix for the timed prompts.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import platform
@@ -54,6 +63,7 @@ TARGET_ONLY = "target-only"
 HF_ASSISTED = "hf-assisted"
 HF_ASSISTED_ONEDNN = "hf-assisted (onednn)"
 DEFAULT_MODE = "specpair default"
+NO_REUSE_SUFFIX = ", no prefix reuse"
 
 
 @dataclass(frozen=True)
@@ -269,20 +279,32 @@ def run_hf_assisted(
     )
 
 
+def warm_up_prompt(prompts: list[list[int]]) -> list[int]:
+    """The first prompt's shapes, starting with a token no prompt starts with.
+
+    So the warm-up leaves no prefix of a timed prompt in the KV slot to reuse.
+    """
+    starts = {p[0] for p in prompts}
+    first = next(token for token in itertools.count() if token not in starts)
+    return [first, *prompts[0][1:]]
+
+
 def run_engine_mode(
     pair: LoadedPair,
     mode: str,
     knobs: SpeculationKnobs | None,
     prompts: list[list[int]],
     settings: BenchSettings,
+    *,
+    prefix_reuse: bool = True,
 ) -> ModeResult:
     """Decode every prompt greedily with one engine configuration (None: target-only)."""
     # KV storage for one request at a time (the default sizes a serving batch).
     length = max(len(p) for p in prompts) + settings.max_new_tokens
-    options = EngineOptions(max_slots=1, max_length=length)
+    options = EngineOptions(max_slots=1, max_length=length, prefix_reuse=prefix_reuse)
     engine = pair.engine(speculate=knobs is not None, knobs=knobs, options=options)
     params = SamplingParams(max_new_tokens=settings.max_new_tokens)
-    run_request(engine, prompts[0], SamplingParams(max_new_tokens=2))  # warm-up, untimed
+    run_request(engine, warm_up_prompt(prompts), SamplingParams(max_new_tokens=2))  # untimed
     result = ModeResult(mode, knobs.max_depth if knobs is not None else None)
     for _ in range(settings.repeats):
         for prompt in prompts:
@@ -343,6 +365,11 @@ def _one_round(
         default = SpeculationKnobs()
         name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})"
         modes.append(run_engine_mode(pair, name, default, prompts, settings))
+        modes.append(
+            run_engine_mode(
+                pair, name + NO_REUSE_SUFFIX, default, prompts, settings, prefix_reuse=False
+            )
+        )
     if settings.hf_assisted and on_cpu and linears_patched(pair.target.model):
         modes.append(run_hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
     return modes

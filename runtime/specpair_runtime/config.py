@@ -197,6 +197,14 @@ class ServingOptions(ContractModel):
             "left, each step waited counting as one token read) or arrival (oldest first)."
         ),
     )
+    prefix_reuse: bool = Field(
+        default=True,
+        description=(
+            "A new request skips the longest prefix of its prompt (a shared system prompt, "
+            "an earlier chat turn) whose keys and values a KV slot still holds. Off: every "
+            "prompt is read in full, so no request's timing depends on another's prompt."
+        ),
+    )
     cpu_threads: int | None = Field(
         default=None,
         ge=1,

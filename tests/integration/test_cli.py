@@ -240,6 +240,7 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
         "specpair k=1",
         "specpair k=2",
         "specpair default (adaptive<=4)",
+        "specpair default (adaptive<=4), no prefix reuse",
         "hf-assisted",
         "hf-assisted (onednn)",
     ]

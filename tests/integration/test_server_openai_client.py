@@ -77,6 +77,9 @@ def test_chat_stream_with_include_usage(client: openai.OpenAI) -> None:
     usage_chunk = chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
     assert 1 <= usage_chunk.usage.completion_tokens <= 5
+    details = usage_chunk.usage.prompt_tokens_details  # OpenAI's type parses ours
+    assert details is not None and details.cached_tokens is not None
+    assert 0 <= details.cached_tokens < usage_chunk.usage.prompt_tokens
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     reply = chat(client, [{"role": "user", "content": "Hello"}])
     assert reply.choices[0].message.content.startswith(text[:1])

@@ -205,6 +205,7 @@ SERVING_OPTIONS: dict[str, Any] = {
     "cudaGraphs": False,
     "cudaGraphCompile": True,
     "prefillOrder": "arrival",
+    "prefixReuse": False,
     "cpuThreads": 1,
     "maxRequestBodyBytes": 65536,
     "headerTimeoutSeconds": 2.5,
@@ -226,6 +227,7 @@ def test_serving_options_reach_the_runtime_config() -> None:
     assert serving.cuda_graphs is False
     assert serving.cuda_graph_compile is True
     assert serving.prefill_order == "arrival"
+    assert serving.prefix_reuse is False
     assert serving.cpu_threads == 1
     assert serving.max_request_body_bytes == 65536 and serving.request_body_limit == 65536
     assert serving.header_timeout_seconds == 2.5

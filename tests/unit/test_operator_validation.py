@@ -158,6 +158,7 @@ def test_the_samples_pass() -> None:
         (pair(serving__drainTimeoutSeconds=7200), "spec.serving.drainTimeoutSeconds", "3600"),
         (pair(serving__cudaGraphs=[]), "spec.serving.cudaGraphs", "boolean"),
         (pair(serving__prefillOrder="fifo"), "spec.serving.prefillOrder", "'shortest-first'"),
+        (pair(serving__prefixReuse="sometimes"), "spec.serving.prefixReuse", "boolean"),
         (pair(serving__cpuThreads=0), "spec.serving.cpuThreads", "greater than or equal to 1"),
         (pair(serving__cpuThreads=2048), "spec.serving.cpuThreads", "1024"),
         (

@@ -74,6 +74,7 @@ def test_fields_outside_the_revision(path: str, value: object) -> None:
         ("serving.cudaGraphs", True),
         ("serving.cudaGraphCompile", True),
         ("serving.prefillOrder", "arrival"),
+        ("serving.prefixReuse", False),
         ("serving.cpuThreads", 1),
         ("serving.drainTimeoutSeconds", 30),
         ("serving.outputFilter", {"denyPatterns": ["x"]}),

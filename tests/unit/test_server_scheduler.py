@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -10,11 +12,14 @@ import pytest
 from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.speculative import SpeculativeEngine
+from specpair_runtime.server.filters import build_filter
+from specpair_runtime.server.generation import Generation
 from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.scheduler import QueueFull, Scheduler, Submission, Update
+from specpair_runtime.server.streaming import completion_chunks
 from tests.support.server_harness import metric_value
 
 KNOBS = SpeculationKnobs(max_depth=3, adaptive=False, disable_above_batch_size=1)
@@ -129,3 +134,69 @@ def test_metrics_are_up_to_date_when_a_request_hears_it_finished(
         sched.stop()
     # One token: the prefill step samples it and finishes the request.
     assert seen == [(0.0, 1.0)]
+
+
+def test_prompt_tokens_count_admitted_requests_and_cached_ones_as_reported(
+    engine: SpeculativeEngine,
+) -> None:
+    """``specpair_prompt_tokens`` counts the prompts the engine admitted, not one it
+    refused; ``specpair_prompt_tokens_cached`` sums what the events report reused,
+    so their ratio is prefix reuse's hit ratio whatever the engine reused."""
+    metrics = ServerMetrics("p", "v")
+    sched = Scheduler(engine, KNOBS, metrics, MemoryProbe("cpu"), max_batch_size=2, max_waiting=1)
+    sinks: list[Sink] = []
+    sched.start()
+    try:
+        # The same prompt twice, one after the other: the second may reuse the first's KV.
+        for name in ("first", "again"):
+            sinks.append(submit(sched, name, SamplingParams(max_new_tokens=4)))
+            assert sinks[-1].done.wait(60)
+        refused = submit(sched, "refused", SamplingParams(max_new_tokens=4, top_p=0.0))
+        assert refused.done.wait(60) and refused.updates[-1].error is not None
+    finally:
+        sched.stop()
+    text = metrics.render().decode()
+    assert metric_value(text, "specpair_prompt_tokens_total", pair="p", pair_version="v") == 8
+    cached = [u.event.cached_prompt_tokens for s in sinks for u in s.updates if u.event]
+    assert all(0 <= n < 4 for n in cached), cached  # the first output token is computed
+    assert metric_value(text, "specpair_prompt_tokens_cached_total") == sum(cached)
+
+
+def test_cached_prompt_tokens_are_counted_from_any_event() -> None:
+    metrics = ServerMetrics("p", "v")
+    metrics.record_event(StepEvent("r1", [7], "a", 0, 0, cached_prompt_tokens=12))
+    metrics.record_event(StepEvent("r2", [8, 9], "bc", 2, 1, cached_prompt_tokens=5))
+    metrics.record_event(StepEvent("r1", [10], "d", 0, 0))  # later events carry 0
+    text = metrics.render().decode()
+    assert metric_value(text, "specpair_prompt_tokens_cached_total") == 17
+    assert metric_value(text, "specpair_prompt_tokens_total") == 0  # counted at admission
+
+
+def test_usage_reports_the_reused_prompt_tokens(engine: SpeculativeEngine) -> None:
+    """The events' ``cached_prompt_tokens`` reach ``usage.prompt_tokens_details``, in
+    the last stream chunk and in the include_usage chunk alike."""
+    # Never started: the test plays the engine thread and calls the request's sink.
+    sched = Scheduler(
+        engine, KNOBS, ServerMetrics("p", "v"), MemoryProbe("cpu"), max_batch_size=2, max_waiting=1
+    )
+
+    async def stream() -> list[dict[str, object]]:
+        generation = Generation(
+            sched, build_filter(None), "r", [5, 6, 7, 8], SamplingParams(max_new_tokens=2), 0
+        )
+        sink = generation._submission.sink
+        sink(Update(event=StepEvent("r", [9], "a", 0, 0, cached_prompt_tokens=3)))
+        sink(Update(event=StepEvent("r", [10], "b", 0, 0, finished=True, finish_reason="length")))
+        chunks = [c async for c in completion_chunks(generation, "cmpl-r", 0, "tiny", True)]
+        assert chunks[-1] == "[DONE]"
+        return [json.loads(chunk) for chunk in chunks[:-1]]
+
+    *_, last, usage_only = asyncio.run(stream())
+    expected = {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    assert last["usage"] == expected
+    assert usage_only["choices"] == [] and usage_only["usage"] == expected

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from specpair_runtime.config import parse_runtime_config
+from specpair_runtime.cli import build_parser
+from specpair_runtime.config import RuntimeConfig, parse_runtime_config
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.server.app import create_app
 from specpair_runtime.server.command import apply_overrides
+from specpair_runtime.server.schemas import PromptTokensDetails, Usage
 from specpair_runtime.server.state import ServerState
 
 CONFIG = parse_runtime_config(
@@ -133,6 +135,39 @@ def test_the_prefill_order_flag_reaches_the_engine_options() -> None:
     assert EngineOptions.from_serving(merged.serving).prefill_order == "arrival"
     with pytest.raises(ValueError, match="prefillOrder"):
         apply_overrides(CONFIG, {"prefill_order": "fifo"})
+
+
+OFF_IN_FILE = apply_overrides(CONFIG, {"prefix_reuse": False})
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "expected"),
+    [
+        (CONFIG, [], True),  # the default
+        (CONFIG, ["--no-prefix-reuse"], False),
+        (OFF_IN_FILE, [], False),  # no flag: the file's value stands
+        (OFF_IN_FILE, ["--prefix-reuse"], True),
+    ],
+)
+def test_the_prefix_reuse_flag_reaches_the_engine_options(
+    config: RuntimeConfig, flags: list[str], expected: bool
+) -> None:
+    args = build_parser().parse_args(["serve", "--config", "runtime.yaml", *flags])
+    merged = apply_overrides(config, vars(args))
+    assert EngineOptions.from_serving(merged.serving).prefix_reuse is expected
+
+
+def test_usage_always_carries_the_cached_prompt_tokens() -> None:
+    # OpenAI's shape: clients read usage.prompt_tokens_details.cached_tokens without a None check.
+    plain = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7)
+    assert plain.model_dump(exclude_none=True)["prompt_tokens_details"] == {"cached_tokens": 0}
+    reused = Usage(
+        prompt_tokens=5,
+        completion_tokens=2,
+        total_tokens=7,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=4),
+    )
+    assert reused.model_dump()["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_both_length_fields_must_agree(client: TestClient) -> None:

@@ -55,6 +55,9 @@ class StepEvent:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None  # set only with finish_reason == "error"; internal detail
+    # On a request's first event with output: how many of its prompt tokens were not
+    # computed but found in the KV storage (prefix reuse), OpenAI's ``cached_tokens``.
+    cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -68,6 +71,7 @@ class RequestStats:
     speculation_steps: int = 0
     generated_tokens: int = 0
     elapsed_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV was reused, not computed
 
     @property
     def acceptance_rate(self) -> float:

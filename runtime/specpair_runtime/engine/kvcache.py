@@ -90,6 +90,11 @@ class KVStorage:
     def values(self, layer: int) -> torch.Tensor:
         return self.tensor[layer, 1]
 
+    def copy_prefix(self, source: int, destination: int, length: int) -> None:
+        """Positions [0, length) of slot ``source`` into slot ``destination``, in place."""
+        if length > 0:
+            self.tensor[:, :, destination, :, :length] = self.tensor[:, :, source, :, :length]
+
 
 @dataclass
 class RowSpan:

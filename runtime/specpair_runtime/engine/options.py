@@ -36,6 +36,9 @@ class EngineOptions:
         fused step instead of capturing the eager one (minutes of warm-up).
     prefill_order: which prompt reads first (``budget.prefill_order``):
         ``shortest-first``, or ``arrival`` (oldest first).
+    prefix_reuse: a new request starts after the longest prefix of its prompt
+        whose KV a slot still holds (``prefix_reuse.py``), instead of reading
+        the whole prompt.
     """
 
     max_slots: int = 8
@@ -44,6 +47,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     cuda_graph_compile: bool = False
     prefill_order: PrefillOrder = "shortest-first"
+    prefix_reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -70,4 +74,5 @@ class EngineOptions:
             cuda_graphs=serving.cuda_graphs,
             cuda_graph_compile=serving.cuda_graph_compile,
             prefill_order=serving.prefill_order,
+            prefix_reuse=serving.prefix_reuse,
         )

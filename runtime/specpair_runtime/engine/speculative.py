@@ -3,6 +3,8 @@
 A step, for every running request at once (``plan.py`` decides the shapes):
 
 1. Admit waiting requests into free KV slots (``kvcache.py``: fixed storage).
+   A request starts past the longest prefix of its prompt whose KV a slot
+   still holds (``prefix_reuse.py``).
 2. One depth ``k`` for the step (``depth.py``); 0 makes it a target-only step.
 3. Draft (only when ``k > 0``): forward 0 is one flat ragged batch in which
    every decoding row feeds the committed tokens its draft has not seen
@@ -67,6 +69,7 @@ from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
 from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.options import EngineOptions
+from specpair_runtime.engine.prefix_reuse import Admission, SlotContents, plan_admission
 from specpair_runtime.engine.runner import ModelRunner
 from specpair_runtime.engine.sampling import (
     FlatLayout,
@@ -262,6 +265,8 @@ class SpeculativeEngine:
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []  # admission order
         self._free_slots = list(range(self.options.max_slots))
+        # What free slots still hold, for prefix reuse (prefix_reuse.py).
+        self._retained: dict[int, SlotContents] = {}
         self._steps = 0  # steps run, for the prefill order's aging
         self._done: OrderedDict[str, RequestStats] = OrderedDict()
         # Target-only steps by reason: no_draft, refused, disabled, a pause reason,
@@ -345,6 +350,9 @@ class SpeculativeEngine:
             self.draft.free()  # reallocated, and caught up in chunks, on resume
             for request in self._running:
                 request.draft_len = 0
+            self._retained = {
+                slot: SlotContents(kept.tokens, 0) for slot, kept in self._retained.items()
+            }
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -451,20 +459,53 @@ class SpeculativeEngine:
         while len(self._done) > KEEP_FINISHED_STATS:
             self._done.popitem(last=False)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: _Request, *, keep_contents: bool = True) -> None:
+        """Free the request's slot; its committed KV stays there for prefix reuse
+        unless ``keep_contents`` is False (a request that failed)."""
         self._running.remove(request)
         self._free_slots.append(request.slot)
         self._free_slots.sort()
+        if keep_contents and self.options.prefix_reuse:
+            self._retained[request.slot] = self._contents(request)
         request.slot = -1
+
+    def _contents(self, request: _Request) -> SlotContents:
+        """The committed tokens whose KV the request's slot holds."""
+        tokens = tuple(request.tokens(0, request.target_len))
+        draft_len = request.draft_len if self.draft_storage_allocated else 0
+        return SlotContents(tokens, min(draft_len, len(tokens)))
 
     def _admit(self) -> None:
         now = time.perf_counter()
         while self._waiting and self._free_slots:
             request = self._waiting.pop(0)
-            request.slot = self._free_slots.pop(0)
+            if self.options.prefix_reuse:
+                running = {r.slot: self._contents(r) for r in self._running}
+                admission = plan_admission(
+                    request.prompt_ids, self._free_slots, self._retained, running
+                )
+            else:
+                admission = Admission(self._free_slots[0], 0, 0)
+            self._free_slots.remove(admission.slot)
+            self._retained.pop(admission.slot, None)
+            if admission.copy_from is not None:
+                self._copy_prefix(admission)
+            request.slot = admission.slot
+            request.target_len = admission.reused
+            request.draft_len = admission.draft_reused if self.draft_storage_allocated else 0
+            request.stats.cached_prompt_tokens = admission.reused
             request.admitted_step = self._steps
             request.started = min(request.started, now)
             self._running.append(request)
+
+    def _copy_prefix(self, admission: Admission) -> None:
+        """A running request's cached prefix into the new request's slot (both models)."""
+        assert admission.copy_from is not None and self.target.storage is not None
+        self.target.storage.copy_prefix(admission.copy_from, admission.slot, admission.reused)
+        if self.draft is not None and self.draft.storage is not None:
+            self.draft.storage.copy_prefix(
+                admission.copy_from, admission.slot, admission.draft_reused
+            )
 
     def _decoding_count(self) -> int:
         """Running requests past their prompt (the depth controller keys its costs by it)."""
@@ -766,10 +807,11 @@ class SpeculativeEngine:
     def _commit(self, row: _Row, tokens: list[int], accepted: int, ok: bool) -> StepEvent:
         request = row.request
         before = request.sequence_len
+        first_output = not request.output_ids
         stats = request.stats
         stats.target_passes += 1
         if not ok:
-            self._release(request)
+            self._release(request, keep_contents=False)
             self._finish_stats(request)
             return StepEvent(
                 request_id=request.id,
@@ -812,6 +854,7 @@ class SpeculativeEngine:
             accepted=accepted,
             finished=reason is not None,
             finish_reason=reason,
+            cached_prompt_tokens=stats.cached_prompt_tokens if first_output else 0,
         )
 
     def _advance_prefills(self, rows: list[_Row]) -> None:

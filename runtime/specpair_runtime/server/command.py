@@ -34,6 +34,7 @@ SERVING_FLAGS = {
     "body_timeout_seconds": "bodyTimeoutSeconds",
     "cpu_threads": "cpuThreads",
     "prefill_order": "prefillOrder",
+    "prefix_reuse": "prefixReuse",
 }
 
 
@@ -65,6 +66,11 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--prefill-order",
         choices=get_args(PrefillOrder),
         help="which waiting prompt reads first (serving.prefillOrder)",
+    )
+    serve.add_argument(
+        "--prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        help="start a request after the prompt prefix a KV slot still holds (serving.prefixReuse)",
     )
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
     serve.add_argument(

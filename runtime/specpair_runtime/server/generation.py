@@ -19,7 +19,7 @@ from specpair_runtime.engine.api import FinishReason, SamplingParams
 from specpair_runtime.server.filters import OutputFilter
 from specpair_runtime.server.mailbox import mailbox_for
 from specpair_runtime.server.scheduler import ErrorCode, Scheduler, Submission, Update
-from specpair_runtime.server.schemas import SpeculationStats, Usage
+from specpair_runtime.server.schemas import PromptTokensDetails, SpeculationStats, Usage
 
 log = logging.getLogger("specpair.server")
 
@@ -64,6 +64,7 @@ class Generation:
         self.request_id = request_id
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens reused, not computed (prefix reuse)
         self.drafted = 0
         self.accepted = 0
         self.steps = 0
@@ -98,6 +99,7 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
 
     @property
@@ -120,6 +122,8 @@ class Generation:
                 if event is None:
                     continue
                 self.completion_tokens += len(event.token_ids)
+                # Nonzero on the first event with output only; summed to be safe.
+                self.cached_tokens += event.cached_prompt_tokens
                 if event.drafted:
                     self.drafted += event.drafted
                     self.accepted += event.accepted

@@ -76,6 +76,14 @@ class ServerMetrics:
         self.generated_tokens = counter(
             "specpair_generated_tokens", "Verified output tokens committed to requests."
         ).labels(**labels)
+        # Cached over prompt tokens is prefix reuse's hit ratio (docs/operations.md).
+        self.prompt_tokens = counter(
+            "specpair_prompt_tokens", "Prompt tokens of the requests the engine admitted."
+        ).labels(**labels)
+        self.prompt_tokens_cached = counter(
+            "specpair_prompt_tokens_cached",
+            "Prompt tokens whose KV was reused instead of computed (prefix reuse).",
+        ).labels(**labels)
         self.speculation_steps = counter(
             "specpair_speculation_steps", "Steps in which a request speculated."
         ).labels(**labels)
@@ -201,6 +209,7 @@ class ServerMetrics:
 
     def record_event(self, event: StepEvent) -> None:
         self.generated_tokens.inc(len(event.token_ids))
+        self.prompt_tokens_cached.inc(event.cached_prompt_tokens)
         if event.token_ids and not event.text and not event.finished:
             self.held_back_steps.inc()
         if event.drafted <= 0:

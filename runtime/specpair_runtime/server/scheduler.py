@@ -211,6 +211,7 @@ class Scheduler:
                 self._fail(submission, f"rejected by the engine: {error}", "invalid_request")
                 continue
             self._running[submission.request_id] = submission
+            self.metrics.prompt_tokens.inc(len(submission.prompt_ids))
         self.metrics.requests_running.set(len(self._running))
         self._update_pause()
 

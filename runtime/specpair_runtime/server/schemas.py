@@ -147,10 +147,19 @@ class ChatCompletionRequest(_Request):
         return self.max_tokens, "max_tokens"
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's breakdown of the prompt tokens."""
+
+    # Prompt tokens whose KV a slot still held (prefix reuse): not computed again.
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Always sent, 0 when nothing was reused: clients read it without a None check.
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class SpeculationStats(BaseModel):

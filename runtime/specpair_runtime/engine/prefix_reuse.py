@@ -1,0 +1,110 @@
+"""Prefix reuse: a new request starts after the longest prefix of its prompt that a slot holds.
+
+A slot's keys and values stay in the fixed storage after its request leaves
+(``kvcache.py`` never clears or moves them), and the position of a token's KV
+is its index in the sequence. So a new prompt that begins with tokens a slot
+still holds (a deployment's system prompt, the earlier turns of a chat) need
+not be read again: the request takes that slot, and its lengths start past
+the shared prefix. This is vLLM's automatic prefix caching, on slots instead
+of hashed blocks.
+
+- A free slot remembers the committed tokens its last request left in the
+  target's storage, and how many of them the draft's storage holds
+  (``SlotContents``). A request that failed leaves nothing to reuse.
+- At admission (``plan_admission``, pure) the free slot with the longest
+  match is taken as it is. When a running request's committed tokens match
+  further, its positions are copied into the chosen free slot: one copy per
+  model per admission, never one per step.
+- At most ``len(prompt) - 2`` tokens are reused. The last prompt token is
+  always computed, since its logits give the first output token, and it
+  enters in a prompt chunk of at least two tokens, as without reuse: with
+  only it left, the request would start as a decoding row, draft, and
+  sample its first token through a verify, so a seeded request would draw
+  other random numbers than it does when it reads its prompt in full.
+
+The reused keys and values are the bits a fresh prefill would write: the
+engine's kernels give a token's KV the same bits whatever else shares the
+forward (``cpu_kernels.py``), which greedy identity with target-only decoding
+already rests on. On CUDA they agree up to floating-point numerics, as every
+chunking of a prompt does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotContents:
+    """What a slot's storage holds: KV of ``tokens`` at positions 0..len - 1."""
+
+    tokens: tuple[int, ...]  # in the target's storage
+    draft_len: int  # the first draft_len of them are in the draft's storage too
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.draft_len <= len(self.tokens):
+            raise ValueError(f"draft_len {self.draft_len} is outside [0, {len(self.tokens)}]")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where a new request goes, and how much of its prompt it need not read."""
+
+    slot: int
+    reused: int  # leading prompt tokens whose target KV the slot holds (after any copy)
+    draft_reused: int  # of those, in the draft's storage
+    copy_from: int | None = None  # a running request's slot to copy positions [0, reused) from
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
+def _match(prompt: Sequence[int], contents: SlotContents, limit: int) -> tuple[int, int]:
+    """(target tokens, draft tokens) of ``contents`` that ``prompt`` can reuse."""
+    shared = min(common_prefix_length(prompt, contents.tokens), limit)
+    return shared, min(shared, contents.draft_len)
+
+
+def plan_admission(
+    prompt: Sequence[int],
+    free_slots: Sequence[int],
+    retained: Mapping[int, SlotContents],
+    running: Mapping[int, SlotContents],
+) -> Admission:
+    """The slot for a new request with ``prompt``, and the prefix it reuses.
+
+    ``free_slots``: at least one. ``retained``: what free slots still hold.
+    ``running``: the committed, cached tokens of running requests, by slot.
+    Without any match the free slot holding the fewest tokens is taken (the
+    lowest first), so slots that hold a shared prefix are the last overwritten.
+    """
+    if not free_slots:
+        raise ValueError("plan_admission needs a free slot")
+    limit = max(len(prompt) - 2, 0)
+    empty = SlotContents((), 0)
+    best = Admission(free_slots[0], 0, 0)
+    for slot in free_slots:
+        reused, draft_reused = _match(prompt, retained.get(slot, empty), limit)
+        if reused > best.reused:
+            best = Admission(slot, reused, draft_reused)
+    source: tuple[int, int, int] | None = None  # slot, target, draft
+    for slot, contents in running.items():
+        reused, draft_reused = _match(prompt, contents, limit)
+        if reused > max(best.reused, source[1] if source else 0):
+            source = (slot, reused, draft_reused)
+    if best.reused > 0 and source is None:
+        return best
+    # Nothing free matches better than a copy would: overwrite the least-holding slot.
+    least = min(free_slots, key=lambda s: (len(retained.get(s, empty).tokens), s))
+    if source is None:
+        return Admission(least, 0, 0)
+    slot, reused, draft_reused = source
+    return Admission(least, reused, draft_reused, copy_from=slot)

@@ -1,0 +1,69 @@
+"""Prefix reuse's admission plan: which slot a new request takes, and what it skips."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair_runtime.engine.prefix_reuse import (
+    Admission,
+    SlotContents,
+    common_prefix_length,
+    plan_admission,
+)
+
+SYSTEM = (1, 2, 3, 4, 5, 6)
+
+
+def held(*tokens: int, draft: int | None = None) -> SlotContents:
+    return SlotContents(tokens, len(tokens) if draft is None else draft)
+
+
+def test_common_prefix_length() -> None:
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([9], [1]) == 0
+
+
+def test_the_free_slot_holding_the_longest_prefix_is_taken_as_it_is() -> None:
+    prompt = [*SYSTEM, 7, 8, 9]
+    retained = {0: held(1, 2, 9), 2: held(*SYSTEM, 7, 50, 51, draft=5), 3: held(*SYSTEM)}
+    plan = plan_admission(prompt, [0, 1, 2, 3], retained, {})
+    assert plan == Admission(slot=2, reused=7, draft_reused=5)
+
+
+def test_the_last_two_prompt_tokens_are_always_read_as_a_prompt_chunk() -> None:
+    prompt = [*SYSTEM]
+    plan = plan_admission(prompt, [0], {0: held(*SYSTEM, 7)}, {})
+    assert plan == Admission(slot=0, reused=len(SYSTEM) - 2, draft_reused=len(SYSTEM) - 2)
+    assert plan_admission([5, 6], [0], {0: held(5, 6)}, {}).reused == 0
+    assert plan_admission([5], [0], {0: held(5, 6)}, {}).reused == 0
+
+
+def test_a_running_requests_longer_prefix_is_copied_into_the_least_holding_free_slot() -> None:
+    prompt = [*SYSTEM, 7, 8, 9]
+    retained = {0: held(1, 2), 1: held(1, 2, 3, 40, 41, 42)}
+    running = {2: held(*SYSTEM, 7, 60, draft=4), 3: held(*SYSTEM, 70)}
+    plan = plan_admission(prompt, [0, 1, 4], retained, running)
+    # Slot 4 holds nothing, so it is overwritten first; slot 2 matches 7 tokens.
+    assert plan == Admission(slot=4, reused=7, draft_reused=4, copy_from=2)
+
+
+def test_a_free_match_as_long_as_a_running_one_needs_no_copy() -> None:
+    prompt = [*SYSTEM, 7, 9]
+    plan = plan_admission(prompt, [0, 1], {1: held(*SYSTEM)}, {5: held(*SYSTEM, 8)})
+    assert plan == Admission(slot=1, reused=6, draft_reused=6)
+
+
+def test_without_any_match_the_slot_holding_least_is_overwritten_lowest_first() -> None:
+    retained = {0: held(9, 9, 9), 1: held(8), 3: held(7)}
+    assert plan_admission([1, 2], [0, 1, 3], retained, {}) == Admission(1, 0, 0)
+    assert plan_admission([1, 2], [0, 1, 2], retained, {}) == Admission(2, 0, 0)
+    assert plan_admission([1, 2], [4], {}, {0: held(5)}) == Admission(4, 0, 0)
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="free slot"):
+        plan_admission([1, 2], [], {}, {})
+    with pytest.raises(ValueError, match="draft_len 3"):
+        SlotContents((1, 2), 3)
