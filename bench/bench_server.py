@@ -35,7 +35,10 @@ per stream and round, against 0.89-0.98 s at 4).
 
 ``--long-prompt-words N`` puts N words of context before every other prompt,
 so long prompts keep arriving while the other streams decode: the load that
-chunked prefill (``serving.maxStepTokens``) exists for.
+chunked prefill (``serving.maxStepTokens``) exists for. Each long prompt
+opens with its own case number, so no two share more than their first few
+tokens: the server's prefix reuse (``serving.prefixReuse``) would otherwise
+skip the repeated context, and the level would no longer carry prompt work.
 
 Every level sends each of the ``PROMPTS`` equally often (one stream sends
 all of them, more than ``--requests-per-stream`` if need be), so the levels
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -282,11 +286,15 @@ FILLER = (
 )
 
 
-def long_prompt(prompt: str, words: int) -> str:
-    """``prompt`` after ``words`` words of deterministic context."""
+# Numbers the long prompts of a run, so no two share their context (see the module doc).
+CASE_NUMBERS = itertools.count(1)
+
+
+def long_prompt(prompt: str, words: int, case: int) -> str:
+    """``prompt`` after case number ``case`` and ``words`` words of deterministic context."""
     filler = FILLER.split()
     context = " ".join(filler[i % len(filler)] for i in range(words))
-    return f"{context}\n\n{prompt}"
+    return f"Case {case}. {context}\n\n{prompt}"
 
 
 def is_long(index: int, round_: int, long_words: int) -> bool:
@@ -295,10 +303,10 @@ def is_long(index: int, round_: int, long_words: int) -> bool:
     return bool(long_words) and (index + round_) % len(PROMPTS) % 2 == 1
 
 
-def prompt_for(index: int, round_: int, long_words: int) -> str:
+def prompt_for(index: int, round_: int, long_words: int, case: int = 0) -> str:
     number = (index + round_) % len(PROMPTS)
     if is_long(index, round_, long_words):
-        return long_prompt(PROMPTS[number], long_words)
+        return long_prompt(PROMPTS[number], long_words, case)
     return PROMPTS[number]
 
 
@@ -325,7 +333,7 @@ async def run_level(
         async def client_loop(index: int) -> list[StreamResult]:
             out = []
             for round_ in range(rounds):
-                prompt = prompt_for(index, round_, long_words)
+                prompt = prompt_for(index, round_, long_words, next(CASE_NUMBERS))
                 result = await one_stream(client, prompt, max_tokens, index)
                 result.long_prompt = is_long(index, round_, long_words)
                 out.append(result)

@@ -15,6 +15,7 @@ from bench.bench_server import (
     held_back_steps,
     is_long,
     merge_rounds,
+    prompt_for,
     round_order,
     step_delta,
     step_totals,
@@ -86,6 +87,14 @@ def test_every_other_prompt_of_a_stream_is_long_and_its_ttft_is_reported_apart()
     assert describe_ttft(level) == (
         "short prompts p50 500.0 / p95 500.0 ms (1), long prompts p50 9000.0 / p95 9000.0 ms (1)"
     )
+
+
+def test_long_prompts_share_only_their_first_tokens() -> None:
+    """Prefix reuse must not skip the context: each long prompt has its own case number."""
+    first, second = (prompt_for(1, 0, 100, case) for case in (7, 8))
+    assert first.startswith("Case 7. ") and second.startswith("Case 8. ")
+    assert first[len("Case 7. ") :] == second[len("Case 8. ") :]
+    assert prompt_for(0, 0, 100, 7) == prompt_for(0, 0, 100, 8)  # short prompts stay as they are
 
 
 def test_rounds_alternate_the_order_of_the_levels() -> None:
