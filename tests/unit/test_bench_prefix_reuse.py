@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tools.tiny_models import build_tokenizer
-
 from bench.bench_prefix_reuse import chat_ids, ratio_cell, system_prompt
+from tools.tiny_models import build_tokenizer
 
 
 def test_the_system_prompt_has_the_words_asked_for() -> None:
