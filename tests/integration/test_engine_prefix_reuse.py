@@ -132,6 +132,21 @@ def test_a_running_requests_prefix_is_copied_into_a_fresh_slot(
     assert engine.stats("b").cached_prompt_tokens == common_prefix_length(prompts[0], prompts[1])
 
 
+def test_a_chat_left_in_a_slot_outlives_a_request_that_shares_only_its_system_prompt(
+    pair: TinyPair, prompts: list[list[int]]
+) -> None:
+    engine = _engine(pair)
+    (first_turn,) = generate(engine, [prompts[0]], GREEDY)
+    (other,) = generate(engine, [prompts[1]], GREEDY)  # a copy of the system prompt
+    assert other.stats.cached_prompt_tokens == common_prefix_length(prompts[0], prompts[1])
+    follow_up = prompts[0] + first_turn.token_ids + pair.tokenizer(" Thanks!")["input_ids"]
+    (second_turn,) = generate(engine, [follow_up], GREEDY)
+    # Everything but the first turn's last token (never fed) is still in its slot.
+    assert second_turn.stats.cached_prompt_tokens == len(prompts[0]) + NEW - 1
+    (reference,) = generate(_engine(pair, reuse=False), [follow_up], GREEDY)
+    assert second_turn.token_ids == reference.token_ids
+
+
 def test_with_reuse_off_every_prompt_is_read_in_full(
     pair: TinyPair, prompts: list[list[int]], full_reads: list[list[int]]
 ) -> None:

@@ -27,9 +27,18 @@ def test_common_prefix_length() -> None:
 
 def test_the_free_slot_holding_the_longest_prefix_is_taken_as_it_is() -> None:
     prompt = [*SYSTEM, 7, 8, 9]
-    retained = {0: held(1, 2, 9), 2: held(*SYSTEM, 7, 50, 51, draft=5), 3: held(*SYSTEM)}
-    plan = plan_admission(prompt, [0, 1, 2, 3], retained, {})
+    retained = {0: held(1, 2, 9), 2: held(*SYSTEM, 7, 50, draft=5), 3: held(*SYSTEM)}
+    plan = plan_admission(prompt, [0, 2, 3], retained, {})
+    # Taking slot 2 loses its one token past the match; slot 0 would lose three.
     assert plan == Admission(slot=2, reused=7, draft_reused=5)
+
+
+def test_a_slot_holding_a_longer_conversation_is_kept_and_its_prefix_copied() -> None:
+    prompt = [*SYSTEM, 7, 8]
+    conversation = held(*SYSTEM, 20, 21, 22, 23, 24, 25, draft=9)
+    plan = plan_admission(prompt, [0, 1, 2], {0: conversation, 2: held(3, 3)}, {})
+    # The request shares only the system prompt: slot 1 (empty) gets a copy of it.
+    assert plan == Admission(slot=1, reused=6, draft_reused=6, copy_from=0)
 
 
 def test_the_last_two_prompt_tokens_are_always_read_as_a_prompt_chunk() -> None:

@@ -11,10 +11,12 @@ of hashed blocks.
 - A free slot remembers the committed tokens its last request left in the
   target's storage, and how many of them the draft's storage holds
   (``SlotContents``). A request that failed leaves nothing to reuse.
-- At admission (``plan_admission``, pure) the free slot with the longest
-  match is taken as it is. When a running request's committed tokens match
-  further, its positions are copied into the chosen free slot: one copy per
-  model per admission, never one per step.
+- At admission (``plan_admission``, pure) the longest match among free
+  slots and running requests is the source. A free source that holds
+  little past the match is taken as it is; otherwise the match is copied
+  into the free slot that holds the fewest tokens, so a slot holding a
+  longer conversation is kept for its next turn. One copy per model per
+  admission, never one per step.
 - At most ``len(prompt) - 2`` tokens are reused. The last prompt token is
   always computed, since its logits give the first output token, and it
   enters in a prompt chunk of at least two tokens, as without reuse: with
@@ -83,28 +85,32 @@ def plan_admission(
 
     ``free_slots``: at least one. ``retained``: what free slots still hold.
     ``running``: the committed, cached tokens of running requests, by slot.
-    Without any match the free slot holding the fewest tokens is taken (the
-    lowest first), so slots that hold a shared prefix are the last overwritten.
+
+    The longest match anywhere is the source (a free slot before a running
+    one, then the lowest). The request overwrites what a slot holds past the
+    reused prefix, so it takes the source itself only where that loses no
+    more than the free slot holding the fewest tokens would (that slot, the
+    lowest first, is also where a request without any match goes);
+    otherwise the prefix is copied there. So a chat whose earlier turns a
+    slot holds is not overwritten by a request that shares only its system
+    prompt.
     """
     if not free_slots:
         raise ValueError("plan_admission needs a free slot")
     limit = max(len(prompt) - 2, 0)
     empty = SlotContents((), 0)
-    best = Admission(free_slots[0], 0, 0)
-    for slot in free_slots:
-        reused, draft_reused = _match(prompt, retained.get(slot, empty), limit)
-        if reused > best.reused:
-            best = Admission(slot, reused, draft_reused)
-    source: tuple[int, int, int] | None = None  # slot, target, draft
-    for slot, contents in running.items():
+    free = set(free_slots)
+    best: tuple[int, int, int] | None = None  # reused, draft reused, slot
+    for slot, contents in [*((s, retained.get(s, empty)) for s in free_slots), *running.items()]:
         reused, draft_reused = _match(prompt, contents, limit)
-        if reused > max(best.reused, source[1] if source else 0):
-            source = (slot, reused, draft_reused)
-    if best.reused > 0 and source is None:
-        return best
-    # Nothing free matches better than a copy would: overwrite the least-holding slot.
+        if reused > (best[0] if best else 0):
+            best = (reused, draft_reused, slot)
     least = min(free_slots, key=lambda s: (len(retained.get(s, empty).tokens), s))
-    if source is None:
+    if best is None:
         return Admission(least, 0, 0)
-    slot, reused, draft_reused = source
-    return Admission(least, reused, draft_reused, copy_from=slot)
+    reused, draft_reused, source = best
+    if source in free:
+        lost_at_source = len(retained.get(source, empty).tokens) - reused
+        if source == least or lost_at_source <= len(retained.get(least, empty).tokens):
+            return Admission(source, reused, draft_reused)
+    return Admission(least, reused, draft_reused, copy_from=source)
