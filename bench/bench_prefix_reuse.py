@@ -69,15 +69,6 @@ def system_prompt(words: int) -> str:
     return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
 
 
-def chat_ids(tokenizer: Any, system: str, question: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": question}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return [int(i) for i in tokenizer(rendered, add_special_tokens=False).input_ids]
-
-
 def timed_request(engine: Any, prompt: list[int], max_new_tokens: int) -> Timing:
     from specpair_runtime.engine.api import SamplingParams
 
@@ -121,6 +112,7 @@ def main(argv: list[str]) -> int:
     from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
     from specpair_runtime.engine.options import EngineOptions
     from specpair_runtime.engine.pair import load_pair
+    from specpair_runtime.server.prompts import encode_chat
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pair = load_pair(
@@ -131,8 +123,9 @@ def main(argv: list[str]) -> int:
     )
     tokenizer = pair.target.tokenizer
     system = system_prompt(args.system_words)
-    priming = chat_ids(tokenizer, system, PRIMING)
-    prompts = [chat_ids(tokenizer, system, q) for q in QUESTIONS]
+    # As the server's chat endpoint encodes a system and a user message.
+    priming = encode_chat(tokenizer, [("system", system), ("user", PRIMING)])
+    prompts = [encode_chat(tokenizer, [("system", system), ("user", q)]) for q in QUESTIONS]
     length = max(len(p) for p in [priming, *prompts]) + args.max_new_tokens
     engines = {
         reuse: pair.engine(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from bench.bench_prefix_reuse import chat_ids, ratio_cell, system_prompt
+from bench.bench_prefix_reuse import ratio_cell, system_prompt
 from tools.tiny_models import build_tokenizer
+
+from specpair_runtime.server.prompts import encode_chat
 
 
 def test_the_system_prompt_has_the_words_asked_for() -> None:
@@ -22,7 +24,7 @@ def test_questions_under_one_system_prompt_share_its_tokens() -> None:
             "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
         )
     system = system_prompt(40)
-    first = chat_ids(tokenizer, system, "How long does a refund take?")
-    second = chat_ids(tokenizer, system, "Can I change my address?")
+    first = encode_chat(tokenizer, [("system", system), ("user", "How long does a refund take?")])
+    second = encode_chat(tokenizer, [("system", system), ("user", "Can I change my address?")])
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert shared >= len(tokenizer(system, add_special_tokens=False).input_ids) - 1

@@ -30,6 +30,7 @@ from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.oneshot import Completion, run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
+from specpair_runtime.engine.prefix_reuse import common_prefix_length
 from specpair_runtime.engine.prompting import PromptError, encode_prompt
 from specpair_runtime.golden import GoldenFile, GoldenPrompt, check_expectation
 
@@ -53,10 +54,8 @@ def near_tie_margin(configured: float | None, device: torch.device) -> float:
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first position where two token lists differ, None when equal."""
-    for index, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
+    shared = common_prefix_length(a, b)
+    return None if shared == len(a) == len(b) else shared
 
 
 def next_token_logits(target: LoadedModel, context_ids: list[int]) -> torch.Tensor:

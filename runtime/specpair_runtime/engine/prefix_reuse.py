@@ -56,7 +56,7 @@ class Admission:
     slot: int
     reused: int  # leading prompt tokens whose target KV the slot holds (after any copy)
     draft_reused: int  # of those, in the draft's storage
-    copy_from: int | None = None  # a running request's slot to copy positions [0, reused) from
+    copy_from: int | None = None  # the slot to copy positions [0, reused) from (running or free)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -499,7 +499,7 @@ class SpeculativeEngine:
             self._running.append(request)
 
     def _copy_prefix(self, admission: Admission) -> None:
-        """A running request's cached prefix into the new request's slot (both models)."""
+        """The source slot's cached prefix into the new request's slot (both models)."""
         assert admission.copy_from is not None and self.target.storage is not None
         self.target.storage.copy_prefix(admission.copy_from, admission.slot, admission.reused)
         if self.draft is not None and self.draft.storage is not None:
