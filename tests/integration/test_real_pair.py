@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 from specpair_runtime.config import ModelSpec, SpeculationKnobs, recommended_draft_quantization
-from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.api import SamplingParams, TokenLogprob
 from specpair_runtime.engine.oneshot import Completion, run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.engine.prompting import encode_prompt
-from specpair_runtime.engine.speculative import eos_token_ids
+from specpair_runtime.engine.speculative import SpeculativeEngine, eos_token_ids
 from tests.support.real_models import require_real_pair
 
 SUPPORT = "My order has not arrived yet. What should I do?"
@@ -114,3 +114,30 @@ def test_a_raw_completion_ends_where_the_model_writes_endoftext(pair: LoadedPair
     assert done.finish_reason == "stop"
     assert done.token_ids[-1] in ends and len(done.token_ids) < 64
     assert "<|endoftext|>" not in done.text
+
+
+def _logprobs(
+    engine: SpeculativeEngine, prompt: list[int], params: SamplingParams
+) -> list[TokenLogprob]:
+    engine.add_request("lp", prompt, params)
+    entries: list[TokenLogprob] = []
+    while engine.has_unfinished():
+        for event in engine.step():
+            assert event.logprobs is not None and len(event.logprobs) == len(event.token_ids)
+            entries += event.logprobs
+    return entries
+
+
+@pytest.mark.slow
+def test_real_pair_logprobs_equal_target_only(pair: LoadedPair) -> None:
+    """Each committed token's logprob at depth 4 is the one a target-only step gives."""
+    prompt = _encode(pair, CODING)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=2)
+    plain = _logprobs(pair.engine(speculate=False), prompt, params)
+    knobs = SpeculationKnobs(max_depth=4, min_depth=4, adaptive=False)
+    fast = _logprobs(pair.engine(knobs=knobs), prompt, params)
+    assert [e.token_id for e in fast] == [e.token_id for e in plain]
+    for a, b in zip(fast, plain, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert a.top[0][0] == a.token_id  # greedy: the most likely token
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

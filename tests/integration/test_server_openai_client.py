@@ -124,3 +124,26 @@ def test_zero_penalties_pass_and_others_are_refused_by_name(client: openai.OpenA
             chat(client, [{"role": "user", "content": "Hi"}], **{field: 0.5})
         assert error.value.param == field
         assert "only 0 is supported" in str(error.value)
+
+
+def test_logprobs_parse_into_the_sdk_types(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Hello"}]
+    reply = chat(client, messages, logprobs=True, top_logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert len(logprobs.content) == reply.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in logprobs.content)
+    streamed = [
+        entry
+        for chunk in chat(client, messages, logprobs=True, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in logprobs.content]
+    completion = client.completions.create(
+        model=MODEL, prompt="def add(a, b):", max_tokens=4, temperature=0, logprobs=1
+    )
+    legacy = completion.choices[0].logprobs
+    assert legacy is not None and legacy.token_logprobs is not None
+    assert completion.usage is not None
+    assert len(legacy.token_logprobs) == completion.usage.completion_tokens

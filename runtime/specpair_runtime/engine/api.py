@@ -37,10 +37,26 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Log-probabilities of the committed tokens (``engine/logprobs.py``): None = off,
+    # 0 = the chosen token's only, n = also the n most likely tokens at each position.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token's log-probability under the target, and the best alternatives.
+
+    ``top``: (token id, log-probability) pairs, most likely first; empty unless
+    the request asked for alternatives.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,8 @@ class StepEvent:
     # On a request's first event with output: how many of its prompt tokens were not
     # computed but found in the KV storage (prefix reuse), OpenAI's ``cached_tokens``.
     cached_prompt_tokens: int = 0
+    # One entry per token of ``token_ids``, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -57,7 +57,13 @@ from specpair_runtime.config import (
     measured_draft_confidence,
     resolved_draft_confidence,
 )
-from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
+from specpair_runtime.engine.api import (
+    FinishReason,
+    RequestStats,
+    SamplingParams,
+    StepEvent,
+    TokenLogprob,
+)
 from specpair_runtime.engine.budget import (
     StepTiming,
     chunk_size,
@@ -68,6 +74,12 @@ from specpair_runtime.engine.cpu_kernels import use_onednn_linears
 from specpair_runtime.engine.depth import DepthController
 from specpair_runtime.engine.kvcache import RowSpan
 from specpair_runtime.engine.loading import LoadedModel
+from specpair_runtime.engine.logprobs import (
+    MAX_TOP_LOGPROBS,
+    LogprobRequest,
+    read_committed,
+    score_committed,
+)
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.prefix_reuse import Admission, SlotContents, plan_admission
 from specpair_runtime.engine.runner import ModelRunner
@@ -99,6 +111,10 @@ def validate_params(params: SamplingParams) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or None), got {params.logprobs}"
+        )
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -793,18 +809,31 @@ class SpeculativeEngine:
             )
         row_ok = torch.ones(layout.rows, dtype=torch.long, device=self.device)
         row_ok.scatter_reduce_(0, index.target_row, position_ok.long(), reduce="amin")
-        # The one host sync of the step.
+        wanted = LogprobRequest(
+            [r for r, row in enumerate(rows) if row.request.params.logprobs is not None],
+            [p for row in rows if (p := row.request.params.logprobs) is not None],
+        )
+        pending = score_committed(logits, output, layout, wanted) if wanted.rows else None
+        # The one host sync of the step (the logprobs, queued before it, are read after).
         packed = torch.cat([output.flatten(), accepted, row_ok]).tolist()
         width = layout.max_draft + 1
-        events = []
-        for r, row in enumerate(rows):
-            tokens = packed[r * width : (r + 1) * width]
-            n = packed[layout.rows * width + r]
-            ok = packed[layout.rows * width + layout.rows + r]
-            events.append(self._commit(row, tokens[: n + 1], n, bool(ok)))
-        return events
+        accepted_counts = packed[layout.rows * width : layout.rows * width + layout.rows]
+        oks = packed[layout.rows * width + layout.rows :]
+        committed = [packed[r * width : r * width + n + 1] for r, n in enumerate(accepted_counts)]
+        scored = read_committed(pending, [committed[r] for r in wanted.rows]) if pending else {}
+        return [
+            self._commit(row, committed[r], accepted_counts[r], bool(oks[r]), scored.get(r))
+            for r, row in enumerate(rows)
+        ]
 
-    def _commit(self, row: _Row, tokens: list[int], accepted: int, ok: bool) -> StepEvent:
+    def _commit(
+        self,
+        row: _Row,
+        tokens: list[int],
+        accepted: int,
+        ok: bool,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> StepEvent:
         request = row.request
         before = request.sequence_len
         first_output = not request.output_ids
@@ -855,6 +884,8 @@ class SpeculativeEngine:
             finished=reason is not None,
             finish_reason=reason,
             cached_prompt_tokens=stats.cached_prompt_tokens if first_output else 0,
+            # The kept tokens are a prefix of the committed ones (cut at a stop).
+            logprobs=logprobs[: len(pushed.token_ids)] if logprobs is not None else None,
         )
 
     def _advance_prefills(self, rows: list[_Row]) -> None:

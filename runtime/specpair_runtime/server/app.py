@@ -17,6 +17,7 @@ from specpair_runtime.engine.api import FinishReason, SamplingParams
 from specpair_runtime.server.errors import APIError, error_response, install_error_handlers
 from specpair_runtime.server.gate import GateMiddleware, caller_of
 from specpair_runtime.server.generation import Generation, GenerationError
+from specpair_runtime.server.logprobs import CompletionLogprobsBuilder, chat_logprobs, token_texts
 from specpair_runtime.server.metrics import CONTENT_TYPE
 from specpair_runtime.server.prompts import (
     encode_chat,
@@ -162,6 +163,7 @@ def _sampling(
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_sequences(),
+        logprobs=body.logprobs_wanted(),
     )
 
 
@@ -256,21 +258,31 @@ def create_app(state: ServerState) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = _start(state, scheduler, request_id, prompt_ids, params, priority)
         created = int(time.time())
+        logprobs = (
+            CompletionLogprobsBuilder(token_texts(state.tokenizer))
+            if params.logprobs is not None
+            else None
+        )
         if body.stream:
             return EventSourceResponse(
                 completion_chunks(
-                    generation, request_id, created, state.model_id, body.include_usage
+                    generation, request_id, created, state.model_id, body.include_usage, logprobs
                 )
             )
         collected = await _collect(request, generation)
         if isinstance(collected, JSONResponse):
             return collected
         text, finish = collected
+        choice = CompletionChoice(
+            text=text,
+            logprobs=logprobs.build(generation.released_logprobs) if logprobs else None,
+            finish_reason=finish,
+        )
         return CompletionResponse(
             id=request_id,
             created=created,
             model=state.model_id,
-            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            choices=[choice],
             usage=generation.usage,
             speculation=generation.speculation,
         )
@@ -288,19 +300,29 @@ def create_app(state: ServerState) -> FastAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = _start(state, scheduler, request_id, prompt_ids, params, priority)
         created = int(time.time())
+        token_text = token_texts(state.tokenizer) if params.logprobs is not None else None
         if body.stream:
             return EventSourceResponse(
-                chat_chunks(generation, request_id, created, state.model_id, body.include_usage)
+                chat_chunks(
+                    generation, request_id, created, state.model_id, body.include_usage, token_text
+                )
             )
         collected = await _collect(request, generation)
         if isinstance(collected, JSONResponse):
             return collected
         text, finish = collected
+        choice = ChatChoice(
+            message=AssistantMessage(content=text),
+            logprobs=chat_logprobs(generation.released_logprobs, token_text)
+            if token_text
+            else None,
+            finish_reason=finish,
+        )
         return ChatCompletionResponse(
             id=request_id,
             created=created,
             model=state.model_id,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)],
+            choices=[choice],
             usage=generation.usage,
             speculation=generation.speculation,
         )

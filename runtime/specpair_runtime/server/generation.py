@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from specpair_runtime.engine.api import FinishReason, SamplingParams
+from specpair_runtime.engine.api import FinishReason, SamplingParams, TokenLogprob
 from specpair_runtime.server.filters import OutputFilter
 from specpair_runtime.server.mailbox import mailbox_for
 from specpair_runtime.server.scheduler import ErrorCode, Scheduler, Submission, Update
@@ -43,10 +43,16 @@ class GenerationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Chunk:
-    """Releasable text of one accept step; ``finish_reason`` set on the last chunk."""
+    """Releasable text of one accept step; ``finish_reason`` set on the last chunk.
+
+    ``logprobs``: the entries of the tokens committed since the last chunk (when
+    the request asked for them). Tokens whose text is held back (a stop-string
+    prefix, an incomplete character) send theirs with the next chunk.
+    """
 
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Generation:
@@ -69,6 +75,8 @@ class Generation:
         self.accepted = 0
         self.steps = 0
         self.released = ""
+        self.released_logprobs: list[TokenLogprob] = []  # what the chunks carried
+        self._held_logprobs: list[TokenLogprob] = []  # committed, not yet sent
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._mailbox = mailbox_for(asyncio.get_running_loop())
         self._finished = False
@@ -129,6 +137,7 @@ class Generation:
                     self.accepted += event.accepted
                     self.steps += 1
                 text = event.text
+                self._held_logprobs += event.logprobs or ()
                 if text:
                     refusal = self.output_filter.check(self.released + text)
                     if refusal is not None:
@@ -141,13 +150,19 @@ class Generation:
                     self.released += text
                 if event.finished:
                     self._finished = True
-                    yield Chunk(text, event.finish_reason or "stop")
+                    yield Chunk(text, event.finish_reason or "stop", self._release_logprobs())
                     return
                 if text:
-                    yield Chunk(text)
+                    yield Chunk(text, logprobs=self._release_logprobs())
         finally:
             # Closed early (client disconnect, cancellation): free the slot.
             self.abort()
+
+    def _release_logprobs(self) -> tuple[TokenLogprob, ...]:
+        released = tuple(self._held_logprobs)
+        self.released_logprobs += released
+        self._held_logprobs.clear()
+        return released
 
     async def collect(self, disconnected: asyncio.Event) -> tuple[str, FinishReason]:
         """The whole text; aborts when ``disconnected`` is set first."""

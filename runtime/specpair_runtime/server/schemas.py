@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specpair_runtime.engine.api import FinishReason
+from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
 
@@ -94,10 +103,23 @@ class _Request(BaseModel):
         """The requested completion length and the field it came from."""
         return self.max_tokens, "max_tokens"
 
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token for ``SamplingParams.logprobs``; None: no logprobs."""
+        return None
+
 
 class CompletionRequest(_Request):
     prompt: Text = Field(description="The prompt text.")
     echo: Literal[False] = False
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Log-probabilities of the sampled tokens and this many most likely ones.",
+    )
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -133,6 +155,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(
         default=None, ge=1, description="OpenAI's newer name for max_tokens."
     )
+    logprobs: bool = Field(default=False, description="Log-probabilities of the output tokens.")
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="With logprobs: this many most likely tokens at each position.",
+    )
 
     @model_validator(mode="after")
     def _one_length_field(self) -> ChatCompletionRequest:
@@ -140,6 +169,17 @@ class ChatCompletionRequest(_Request):
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_completion_tokens: differs from max_tokens; give one of the two")
         return self
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # ``logprobs`` is declared first, so it is validated already.
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true")
+        return value
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -171,10 +211,41 @@ class SpeculationStats(BaseModel):
     steps: int  # accept steps in which this request speculated
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per output token."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (the legacy parallel lists).
+
+    ``top_logprobs``: per token, the chosen token and the most likely ones (as
+    vLLM sends them); ``text_offset``: where each token's text starts in the
+    completion text.
+    """
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -196,7 +267,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -218,7 +289,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 

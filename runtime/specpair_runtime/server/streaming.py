@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from pydantic import BaseModel
 
-from specpair_runtime.engine.api import FinishReason
+from specpair_runtime.engine.api import FinishReason, TokenLogprob
 from specpair_runtime.server.errors import ERROR_TYPES
 from specpair_runtime.server.generation import Generation, GenerationError
+from specpair_runtime.server.logprobs import CompletionLogprobsBuilder, TokenText, chat_logprobs
 from specpair_runtime.server.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -30,19 +31,33 @@ from specpair_runtime.server.schemas import (
 
 log = logging.getLogger("specpair.server")
 
-# (text, finish_reason, is_last) -> the chunk body
-ChunkBuilder = Callable[[str, FinishReason | None, bool], BaseModel]
+# (text, logprobs, finish_reason, is_last) -> the chunk body
+ChunkBuilder = Callable[[str, Sequence[TokenLogprob], FinishReason | None, bool], BaseModel]
 
 
 def completion_chunks(
-    generation: Generation, request_id: str, created: int, model: str, include_usage: bool
+    generation: Generation,
+    request_id: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    logprobs: CompletionLogprobsBuilder | None = None,
 ) -> AsyncIterator[str]:
-    def build(text: str, finish: FinishReason | None, last: bool) -> BaseModel:
+    """``logprobs``: set when the request asked for them (else every chunk says null)."""
+
+    def build(
+        text: str, entries: Sequence[TokenLogprob], finish: FinishReason | None, last: bool
+    ) -> BaseModel:
+        choice = CompletionChoice(
+            text=text,
+            logprobs=logprobs.build(entries) if logprobs is not None and entries else None,
+            finish_reason=finish,
+        )
         return CompletionResponse(
             id=request_id,
             created=created,
             model=model,
-            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            choices=[choice],
             usage=generation.usage if last else None,
             speculation=generation.speculation if last else None,
         )
@@ -52,14 +67,28 @@ def completion_chunks(
 
 
 def chat_chunks(
-    generation: Generation, request_id: str, created: int, model: str, include_usage: bool
+    generation: Generation,
+    request_id: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    token_text: TokenText | None = None,
 ) -> AsyncIterator[str]:
-    def build(text: str, finish: FinishReason | None, last: bool) -> BaseModel:
+    """``token_text``: set when the request asked for logprobs (else every chunk says null)."""
+
+    def build(
+        text: str, entries: Sequence[TokenLogprob], finish: FinishReason | None, last: bool
+    ) -> BaseModel:
+        choice = ChatChunkChoice(
+            delta=ChatDelta(content=text or None),
+            logprobs=chat_logprobs(entries, token_text) if token_text and entries else None,
+            finish_reason=finish,
+        )
         return ChatCompletionChunk(
             id=request_id,
             created=created,
             model=model,
-            choices=[ChatChunkChoice(delta=ChatDelta(content=text or None), finish_reason=finish)],
+            choices=[choice],
             usage=generation.usage if last else None,
             speculation=generation.speculation if last else None,
         )
@@ -99,12 +128,15 @@ async def _events(
     try:
         async for chunk in generation.chunks():
             if chunk.finish_reason is None:
-                yield _dump(build(chunk.text, None, False))
+                yield _dump(build(chunk.text, chunk.logprobs, None, False))
                 continue
-            # The step that finishes may carry text: send it, then the closing chunk.
+            # The step that finishes may carry text: send it, then the closing chunk
+            # (with the logprobs of tokens that have no text, such as EOS).
+            closing = chunk.logprobs
             if chunk.text:
-                yield _dump(build(chunk.text, None, False))
-            yield _dump(build("", chunk.finish_reason, True))
+                yield _dump(build(chunk.text, chunk.logprobs, None, False))
+                closing = ()
+            yield _dump(build("", closing, chunk.finish_reason, True))
             if usage_only is not None:
                 yield _dump(usage_only.model_copy(update={"usage": generation.usage}))
     except GenerationError as error:
