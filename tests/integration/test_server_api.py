@@ -16,6 +16,7 @@ from tests.support.server_harness import (
     metric_value,
     sse_events,
     target_only,
+    target_only_completions,
     write_config,
 )
 
@@ -216,3 +217,34 @@ def test_metrics_carry_pair_labels_on_every_series(client: httpx.Client) -> None
     counts = [line for line in samples if line.startswith("specpair_step_seconds_count{")]
     for kind in ("decode", "mixed", "prefill"):  # every series exists, at 0 until used
         assert any(f'kind="{kind}"' in line for line in counts), kind
+
+
+def test_vllm_sampling_extras(
+    client: httpx.Client, server: InProcessServer, pair: tuple[Path, Path]
+) -> None:
+    """top_k, stop_token_ids and ignore_eos, as vLLM's clients send them."""
+    greedy = complete(client, PROMPTS[2])
+    # top_k=1 leaves one token to sample: greedy output at any temperature.
+    for seed in (1, 2):
+        sampled = complete(client, PROMPTS[2], temperature=1.5, top_k=1, seed=seed)
+        assert sampled["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert (
+        complete(client, PROMPTS[2], top_k=-1)["choices"][0]["text"] == greedy["choices"][0]["text"]
+    )
+    (reference,) = target_only_completions(*pair, [PROMPTS[2]], MAX_TOKENS)
+    assert reference.text == greedy["choices"][0]["text"]
+    stop = reference.token_ids[len(reference.token_ids) // 2]
+    stopped = complete(client, PROMPTS[2], stop_token_ids=[stop])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] < greedy["usage"]["completion_tokens"]
+    forced = complete(client, PROMPTS[2], ignore_eos=True)
+    assert forced["usage"]["completion_tokens"] == MAX_TOKENS
+    for body, param in (
+        ({"top_k": -2}, "top_k"),
+        ({"stop_token_ids": [len(server.state.tokenizer)]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ):
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(param), error

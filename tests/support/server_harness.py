@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -30,6 +30,9 @@ from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.runner import DrainingServer, build_server
 from specpair_runtime.server.startup import start_loader, stop_serving
 from specpair_runtime.server.state import ServerState
+
+if TYPE_CHECKING:
+    from specpair_runtime.engine.oneshot import Completion
 
 HOST = "127.0.0.1"
 READY_TIMEOUT = 180.0
@@ -196,6 +199,13 @@ def target_only(
     target: Path, draft: Path, prompts: list[str], max_tokens: int, *, chat: bool = False
 ) -> list[str]:
     """Greedy target-only text for each prompt: the reference the API must match."""
+    return [c.text for c in target_only_completions(target, draft, prompts, max_tokens, chat=chat)]
+
+
+def target_only_completions(
+    target: Path, draft: Path, prompts: list[str], max_tokens: int, *, chat: bool = False
+) -> list[Completion]:
+    """Greedy target-only completions (token ids and text) for each prompt."""
     from specpair_runtime.config import ModelSpec, SpeculationKnobs
     from specpair_runtime.engine.api import SamplingParams
     from specpair_runtime.engine.oneshot import run_request
@@ -211,7 +221,7 @@ def target_only(
     engine = pair.engine(speculate=False)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
     return [
-        run_request(engine, encode_prompt(pair.target.tokenizer, p, chat=chat), params).text
+        run_request(engine, encode_prompt(pair.target.tokenizer, p, chat=chat), params)
         for p in prompts
     ]
 

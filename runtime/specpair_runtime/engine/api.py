@@ -37,6 +37,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Token ids that end the request like EOS (the token itself is kept, as EOS is).
+    stop_token_ids: tuple[int, ...] = ()
+    # Decode past the model's EOS tokens (load tests that want a fixed output length).
+    ignore_eos: bool = False
     # Log-probabilities of the committed tokens (``engine/logprobs.py``): None = off,
     # 0 = the chosen token's only, n = also the n most likely tokens at each position.
     logprobs: int | None = None

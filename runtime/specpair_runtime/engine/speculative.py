@@ -301,6 +301,11 @@ class SpeculativeEngine:
         if bad:
             raise ValueError(f"prompt_ids: token id {bad[0]} is outside [0, {self.target.vocab})")
         validate_params(params)
+        outside = [t for t in params.stop_token_ids if not 0 <= t < self.target.vocab]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids: token id {outside[0]} is outside [0, {self.target.vocab})"
+            )
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.options.max_length:
             raise ValueError(
@@ -317,7 +322,7 @@ class SpeculativeEngine:
         stream = OutputStream(
             self.tokenizer,
             prompt_ids,
-            eos_ids=self.eos_ids,
+            eos_ids=(set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids),
             stop=params.stop,
             max_new_tokens=params.max_new_tokens,
         )

@@ -157,12 +157,23 @@ def _sampling(
             param=field,
             code="context_length_exceeded",
         )
+    vocab = len(state.tokenizer)
+    outside = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
+    if outside:
+        raise APIError(
+            400,
+            f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+            param="stop_token_ids",
+        )
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
+        top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean off
         seed=body.seed,
         stop=body.stop_sequences(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
         logprobs=body.logprobs_wanted(),
     )
 

@@ -4,9 +4,10 @@ Requests forbid unknown fields so that a typo gets a 4xx naming the field
 instead of being silently ignored. They accept what the official SDKs and
 common frameworks send (``stream_options``, ``max_completion_tokens``,
 text content parts, the ``developer`` role, zero penalties, ``seed``,
-``user``). Responses are plain pydantic models that serialize to the shapes
-OpenAI clients parse, plus one extra field, ``speculation``, with the
-request's own speculation stats.
+``user``, ``logprobs``) and vLLM's sampling extras (``top_k``,
+``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
+that serialize to the shapes OpenAI clients parse, plus one extra field,
+``speculation``, with the request's own speculation stats.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from specpair_runtime.engine.api import FinishReason
 from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _valid_unicode(value: str) -> str:
@@ -76,6 +78,16 @@ class _Request(BaseModel):
     user: Text | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    # vLLM's sampling extras, which its clients send (LangChain's VLLMOpenAI, benchmarks).
+    top_k: int | None = Field(
+        default=None, ge=-1, description="Sample among the k most likely tokens; 0 or -1: off."
+    )
+    ignore_eos: bool = Field(default=False, description="Decode past end-of-sequence tokens.")
+    stop_token_ids: list[int] | None = Field(
+        default=None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="Token ids that end the output like EOS.",
+    )
     # Higher runs first; FIFO within one priority (see scheduler.RequestQueue).
     # Capped by the API key's priority class; None = the key's own priority.
     priority: int | None = Field(default=None, ge=-1000, le=1000)
