@@ -349,3 +349,41 @@ def test_after_the_warm_up_cuda_steps_replay_without_recording(compile: bool) ->
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert [step.recorded for step in steps if step is not None] == recorded  # none captured
     assert [r.allocate().tensor.data_ptr() for r in (engine.target, engine.draft)] == storage
+
+
+def test_logprobs_read_from_a_replayed_steps_output_buffer() -> None:
+    """A replay writes its logits into one buffer shared by all shapes; the step's
+    logprobs are taken from it before the next step overwrites it."""
+    eager, engine, tok = cpu_engines(EngineOptions(max_slots=4, max_length=128))
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    params = SamplingParams(max_new_tokens=24, logprobs=2)
+
+    def logprobs_of(run_on: SpeculativeEngine) -> dict[str, list[tuple[int, float]]]:
+        for i, prompt in enumerate(prompts):
+            run_on.add_request(str(i), prompt, params)
+        out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+        while run_on.has_unfinished():
+            for event in run_on.step():
+                out[event.request_id] += [(e.token_id, e.logprob) for e in event.logprobs or []]
+        return out
+
+    expected = logprobs_of(eager)
+
+    def rerun(body: Callable[[], None]) -> Callable[[], None]:
+        body()
+        return body
+
+    for runner in (engine.target, engine.draft):
+        assert runner is not None
+        step = GraphStep(runner)
+        step.recorder = rerun
+        runner.graphs = step
+    got = logprobs_of(engine)
+    for request_id, entries in expected.items():
+        assert [t for t, _ in got[request_id]] == [t for t, _ in entries]
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in got[request_id]]),
+            torch.tensor([lp for _, lp in entries]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
