@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tools.tiny_models import TinyPair, as_loaded, build_pair
+from tools.tiny_models import TinyPair, build_pair
 
-from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent, TokenLogprob
 from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine
+from tests.support.tiny_engines import tiny_engine
 
 NEW = 20
 PROMPTS = ["Hello, how can I help you", "def add(a, b):", "one two three"]
-
-
-def knobs_at(depth: int) -> SpeculationKnobs:
-    return SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +32,7 @@ def prompts(pair: TinyPair) -> list[list[int]]:
 
 
 def _engine(pair: TinyPair, depth: int | None) -> SpeculativeEngine:
-    tok = pair.tokenizer
-    draft = as_loaded(pair.draft, tok, "draft") if depth else None
-    return SpeculativeEngine(
-        as_loaded(pair.target, tok, "target"),
-        draft,
-        knobs_at(depth or 1),
-        options=EngineOptions(max_slots=4, max_length=128),
-    )
+    return tiny_engine(pair, depth, EngineOptions(max_slots=4, max_length=128))
 
 
 def _run(

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tools.tiny_models import TinyPair, as_loaded, build_pair
+from tools.tiny_models import TinyPair, build_pair
 
-from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.prefix_reuse import common_prefix_length
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
+from tests.support.tiny_engines import tiny_engine
 
 NEW = 16
 GREEDY = SamplingParams(max_new_tokens=NEW)
 SYSTEM = "You are a support assistant for a shoe shop. Answer briefly and politely."
 QUESTIONS = ["Where is my order", "How do I return shoes", "Do you ship abroad"]
-
-
-def knobs_at(depth: int) -> SpeculationKnobs:
-    return SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +43,10 @@ def _engine(
     max_slots: int = 4,
     max_step_tokens: int | None = None,
 ) -> SpeculativeEngine:
-    tok = pair.tokenizer
     options = EngineOptions(
         max_slots=max_slots, max_length=256, max_step_tokens=max_step_tokens, prefix_reuse=reuse
     )
-    draft = as_loaded(pair.draft, tok, "draft") if depth else None
-    return SpeculativeEngine(
-        as_loaded(pair.target, tok, "target"), draft, knobs_at(depth or 1), options=options
-    )
+    return tiny_engine(pair, depth, options)
 
 
 @pytest.fixture(scope="module")

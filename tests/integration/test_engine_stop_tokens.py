@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tools.tiny_models import TinyPair, as_loaded, build_pair
+from tools.tiny_models import TinyPair, build_pair
 
-from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
+from tests.support.tiny_engines import tiny_engine
 
 NEW = 24
 
@@ -25,14 +25,7 @@ def prompt(pair: TinyPair) -> list[int]:
 
 
 def _engine(pair: TinyPair, depth: int | None) -> SpeculativeEngine:
-    tok = pair.tokenizer
-    knobs = SpeculationKnobs(max_depth=depth or 1, min_depth=depth or 1, adaptive=False)
-    return SpeculativeEngine(
-        as_loaded(pair.target, tok, "target"),
-        as_loaded(pair.draft, tok, "draft") if depth else None,
-        knobs,
-        options=EngineOptions(max_slots=2, max_length=128),
-    )
+    return tiny_engine(pair, depth, EngineOptions(max_slots=2, max_length=128))
 
 
 def _free_output(pair: TinyPair, prompt: list[int]) -> list[int]:

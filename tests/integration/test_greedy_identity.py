@@ -9,6 +9,7 @@ from tools.tiny_models import ModelKind, TinyPair, as_loaded, build_pair
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
 from specpair_runtime.engine.speculative import SpeculativeEngine, generate
+from tests.support.tiny_engines import fixed_depth
 
 PROMPTS = [
     "Hello, how can I help",
@@ -19,11 +20,6 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS)
-
-
-def fixed_depth(depth: int) -> SpeculationKnobs:
-    """Exactly ``depth`` drafted tokens per step, whatever the batch size or timing."""
-    return SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
 
 
 class Case:
