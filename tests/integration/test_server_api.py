@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from tests.support.server_harness import (
     InProcessServer,
     in_process_server,
     metric_value,
-    sse_events,
+    stream_chunks,
     target_only,
     target_only_completions,
     write_config,
@@ -51,16 +50,6 @@ def complete(client: httpx.Client, prompt: str, **fields: Any) -> dict[str, Any]
     assert response.status_code == 200, response.text
     payload: dict[str, Any] = response.json()
     return payload
-
-
-def stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """All chunks of a streamed response; asserts it ends with [DONE]."""
-    with client.stream("POST", path, json={**body, "stream": True}) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"].startswith("text/event-stream")
-        payloads = list(sse_events(response))
-    assert payloads[-1] == "[DONE]"
-    return [json.loads(p) for p in payloads[:-1]]
 
 
 def token_counts(usage: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +100,7 @@ def test_greedy_through_the_api_equals_target_only(
 def test_stream_chunks_concatenate_to_the_non_streaming_text(client: httpx.Client) -> None:
     for prompt in PROMPTS:
         whole = complete(client, prompt)
-        chunks = stream(
+        chunks = stream_chunks(
             client,
             "/v1/completions",
             {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
@@ -128,7 +117,7 @@ def test_stream_chunks_concatenate_to_the_non_streaming_text(client: httpx.Clien
 
 
 def test_multi_token_commits_go_out_as_one_chunk(client: httpx.Client) -> None:
-    chunks = stream(
+    chunks = stream_chunks(
         client, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
     )
     usage = chunks[-1]["usage"]
@@ -149,7 +138,7 @@ def test_chat_streaming_and_not(client: httpx.Client, pair: tuple[Path, Path]) -
     assert message["role"] == "assistant"
     (expected,) = target_only(*pair, [PROMPTS[0]], MAX_TOKENS, chat=True)
     assert message["content"] == expected
-    chunks = stream(client, "/v1/chat/completions", body)
+    chunks = stream_chunks(client, "/v1/chat/completions", body)
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
@@ -166,7 +155,7 @@ def test_stop_string_is_held_back_and_cut(client: httpx.Client) -> None:
     payload = complete(client, PROMPTS[2], max_tokens=32, stop=[stop])
     assert payload["choices"][0]["text"] == cut
     assert payload["choices"][0]["finish_reason"] == "stop"
-    chunks = stream(
+    chunks = stream_chunks(
         client,
         "/v1/completions",
         {"prompt": PROMPTS[2], "max_tokens": 32, "temperature": 0, "stop": stop},

@@ -8,7 +8,6 @@ equal to target-only, and clear errors.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from tests.support.server_harness import (
     InProcessServer,
     in_process_server,
-    sse_events,
+    stream_chunks,
     write_config,
 )
 
@@ -57,12 +56,7 @@ def post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any
 
 
 def stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    body = {"max_tokens": MAX_TOKENS, "temperature": 0, **body, "stream": True}
-    with client.stream("POST", path, json=body) as response:
-        assert response.status_code == 200
-        payloads = list(sse_events(response))
-    assert payloads[-1] == "[DONE]"
-    return [json.loads(p) for p in payloads[:-1]]
+    return stream_chunks(client, path, {"max_tokens": MAX_TOKENS, "temperature": 0, **body})
 
 
 def chat_body(**fields: Any) -> dict[str, Any]:

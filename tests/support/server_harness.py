@@ -8,6 +8,7 @@ memory probe's test hook and the output filter.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -231,6 +232,16 @@ def sse_events(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line.startswith("data:"):
             yield line[len("data:") :].strip()
+
+
+def stream_chunks(client: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """All chunks of a streamed response to ``body``; asserts it ends with [DONE]."""
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = list(sse_events(response))
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
 
 
 async def stream_completion(

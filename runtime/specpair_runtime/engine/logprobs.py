@@ -33,6 +33,13 @@ class LogprobRequest:
     rows: list[int]  # indices into the step's sampling rows
     top: list[int]  # per row: alternatives wanted (0: the chosen token's only)
 
+    @staticmethod
+    def of(asked: Sequence[int | None]) -> LogprobRequest:
+        """From each sampling row's ``SamplingParams.logprobs`` (None: not asked)."""
+        return LogprobRequest(
+            [r for r, n in enumerate(asked) if n is not None], [n for n in asked if n is not None]
+        )
+
     @property
     def max_top(self) -> int:
         return max(self.top, default=0)

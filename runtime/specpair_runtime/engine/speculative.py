@@ -814,10 +814,7 @@ class SpeculativeEngine:
             )
         row_ok = torch.ones(layout.rows, dtype=torch.long, device=self.device)
         row_ok.scatter_reduce_(0, index.target_row, position_ok.long(), reduce="amin")
-        wanted = LogprobRequest(
-            [r for r, row in enumerate(rows) if row.request.params.logprobs is not None],
-            [p for row in rows if (p := row.request.params.logprobs) is not None],
-        )
+        wanted = LogprobRequest.of([row.request.params.logprobs for row in rows])
         pending = score_committed(logits, output, layout, wanted) if wanted.rows else None
         # The one host sync of the step (the logprobs, queued before it, are read after).
         packed = torch.cat([output.flatten(), accepted, row_ok]).tolist()
