@@ -165,7 +165,7 @@ def test_acceptance_floor_needs_a_full_window() -> None:
 
 def test_controller_probes_target_only_then_backs_off() -> None:
     knobs = SpeculationKnobs(max_depth=4)
-    controller = DepthController(knobs)
+    controller = DepthController(knobs, "cpu")
     assert controller.plan(1).cap == 4  # nothing measured yet
     controller.cost.record_draft(1, 0.5)
     controller.cost.record_verify(1, 5, 3.0)
@@ -186,7 +186,7 @@ def test_controller_probes_target_only_then_backs_off() -> None:
 
 def _losing_controller() -> DepthController:
     """A controller whose first verdict is in: target-only beats speculation at batch 1."""
-    controller = DepthController(SpeculationKnobs(max_depth=4))
+    controller = DepthController(SpeculationKnobs(max_depth=4), "cpu")
     controller.cost.record_draft(1, 0.5)
     controller.cost.record_verify(1, 5, 3.0)
     controller.cost.record_verify(1, 1, 1.0)
@@ -244,9 +244,9 @@ def test_back_off_starts_over_once_speculation_pays_again() -> None:
 
 
 def test_controller_respects_batch_threshold_and_fixed_depth() -> None:
-    controller = DepthController(SpeculationKnobs(max_depth=4, disable_above_batch_size=2))
+    controller = DepthController(SpeculationKnobs(max_depth=4, disable_above_batch_size=2), "cpu")
     assert (controller.plan(3).cap, controller.plan(3).reason) == (0, "batch_size")
-    fixed = DepthController(SpeculationKnobs(max_depth=3, adaptive=False))
+    fixed = DepthController(SpeculationKnobs(max_depth=3, adaptive=False), "cpu")
     fixed.cost.record_verify(1, 1, 0.001)
     assert fixed.plan(1).cap == 3
 
@@ -278,13 +278,20 @@ def test_a_position_with_few_samples_leans_on_the_one_before() -> None:
     assert cold.acceptance(2)[1] < rates[1]
 
 
-def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
-    controller = DepthController(SpeculationKnobs(max_depth=4))
+def _shallow_pays(controller: DepthController) -> CostModel:
+    """Costs and acceptance under which the modelled best depth is below 4."""
     cost = controller.cost
     cost.record_draft(1, 0.2)
     for n in range(1, 6):
         cost.record_verify(1, n, 1.0)
     cost.reached, cost.accepted = [100.0] * 4, [50.0, 10.0, 10.0, 10.0]
+    return cost
+
+
+def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
+    # Without the measured confidence stop (here: turned off), the cap sets the depth.
+    controller = DepthController(SpeculationKnobs(max_depth=4, draft_confidence=0.0), "cpu")
+    cost = _shallow_pays(controller)
     caps = []
     for _ in range(2 * EXPLORE_EVERY):
         caps.append(controller.plan(1).cap)
@@ -295,10 +302,28 @@ def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
     assert all(cap < 4 for cap in caps if cap != 4)
 
 
+def test_with_the_measured_confidence_stop_the_cap_is_the_batch_cap() -> None:
+    # The stop cuts each row at the break-even bar with the row's own draft
+    # probabilities; an engine-wide cap below the batch cap would cut the rows
+    # it lets through as well.
+    stopped = DepthController(SpeculationKnobs(max_depth=4), "cpu")
+    _shallow_pays(stopped)
+    assert stopped.cost.cost_cap(1, 1, 4) < 4
+    assert [stopped.plan(1).cap for _ in range(EXPLORE_EVERY)] == [4] * EXPLORE_EVERY
+    assert stopped.plan(2).cap == 2  # the batch cap still halves it
+    # Where the stop is not measured (CUDA, a fixed draftConfidence), the cap decides.
+    for controller in (
+        DepthController(SpeculationKnobs(max_depth=4), "cuda"),
+        DepthController(SpeculationKnobs(max_depth=4, draft_confidence=0.3), "cpu"),
+    ):
+        _shallow_pays(controller)
+        assert controller.plan(1).cap < 4
+
+
 def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
     # Prompts arriving all the time: a probe in a step with a chunk would not be
     # timed, and asking for it again on every such step stops speculation.
-    controller = DepthController(SpeculationKnobs(max_depth=4))
+    controller = DepthController(SpeculationKnobs(max_depth=4), "cpu")
     controller.cost.record_draft(1, 0.5)
     controller.cost.record_verify(1, 5, 3.0)
     for _ in range(MIN_VERDICT_STEPS):

@@ -39,7 +39,15 @@ by being cut short, not by wasted verify work):
    CUDA a 1-token step runs another kernel than a verify. With one size
    measured the line is flat, so deeper depths get tried and measured, and
    shallower ones win only on a measured slope or falling acceptance. The
-   cap is the best d. Only after ``MIN_VERDICT_STEPS`` speculation steps
+   cap is the best d, except where the confidence stop's bar is measured
+   (below; the CPU's default): there the cap is the batch cap whenever
+   speculation pays, and the cost model decides only between speculating
+   and not. The stop weighs each row's next draft against the same
+   break-even cost with that row's own draft probabilities, which an
+   engine-wide average cannot see; a cap below the batch cap also cut the
+   confident rows, which the target would have taken (make bench's
+   prompts, greedy: 35 target passes against 33, docs/benchmarks.md,
+   stop 43). Only after ``MIN_VERDICT_STEPS`` speculation steps
    (one noisy timing must not switch speculation off) and when target-only
    (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the cap
    is 0 and the engine decodes target-only, re-probing speculation after
@@ -80,7 +88,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.config import SpeculationKnobs, measured_draft_confidence
 
 # Step timings are the minimum of the last TIMING_WINDOW samples: a busy
 # (shared) machine only ever adds time, so the minimum is the closest to the
@@ -318,6 +326,7 @@ class DepthController:
     """Engine-wide depth decisions (per-request heuristics live with the requests)."""
 
     knobs: SpeculationKnobs
+    device_type: str  # where the confidence stop's bar is measured, the cap defers to it
     cost: CostModel = field(default_factory=CostModel)
     floor: AcceptanceFloor = field(init=False)
     speculation_steps: int = 0
@@ -382,6 +391,11 @@ class DepthController:
             # Paying after a full verdict window; the back-off starts over next time.
             cost.reprobing = False
             cost.backoff = FIRST_BACKOFF
+        if measured_draft_confidence(self.knobs, self.device_type):
+            # The confidence stop cuts each row at the same break-even bar, with the
+            # row's own draft probabilities; a cap below the batch cap cut rows the
+            # stop would have let draft (docs/benchmarks.md, stop 43).
+            return StepPlan(cap, None)
         if cost_cap < cap and self.speculation_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             return StepPlan(cap, None)  # re-measure the deeper positions
         return StepPlan(cost_cap, None)

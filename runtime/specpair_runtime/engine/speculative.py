@@ -274,7 +274,7 @@ class SpeculativeEngine:
         self.budget = self.options.step_budget(self.device)
         self.knobs = knobs
         self.refused = speculation_refused
-        self.controller = DepthController(knobs)
+        self.controller = DepthController(knobs, self.device.type)
         self.eos_ids = eos_token_ids(target)
         self._paused: str | None = None
         self._floor_reason: str | None = None
