@@ -64,6 +64,7 @@ HF_ASSISTED = "hf-assisted"
 HF_ASSISTED_ONEDNN = "hf-assisted (onednn)"
 DEFAULT_MODE = "specpair default"
 NO_REUSE_SUFFIX = ", no prefix reuse"
+FIXED_DEPTH_PREFIX = "specpair k="
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,20 @@ class BenchResult:
         values = self.ratios(mode, baseline)
         return (min(values), max(values)) if values else None
 
+    def fixed_depth_modes(self) -> list[ModeResult]:
+        return [m for m in self.modes if m.mode.startswith(FIXED_DEPTH_PREFIX)]
+
+    def best_fixed_depth(self) -> str | None:
+        """The fixed-depth mode with the highest median tokens/s: the bar of the default.
+
+        Ratios to it are taken within each round, like every other ratio, so a
+        fast or slow spell of a shared machine moves both sides alike.
+        """
+        best = max(self.fixed_depth_modes(), key=lambda m: m.tokens_per_second, default=None)
+        return best.mode if best is not None else None
+
     def to_dict(self) -> dict[str, object]:
+        best = self.best_fixed_depth()
         rows = []
         for m in self.modes:
             rows.append(
@@ -172,12 +186,19 @@ class BenchResult:
                     "vs_hf_assisted_per_round": self.ratios(m, HF_ASSISTED),
                     "vs_hf_assisted_onednn": self.ratio(m, HF_ASSISTED_ONEDNN),
                     "vs_hf_assisted_onednn_per_round": self.ratios(m, HF_ASSISTED_ONEDNN),
+                    "vs_best_fixed_depth": self.ratio(m, best) if best else None,
+                    "vs_best_fixed_depth_per_round": self.ratios(m, best) if best else [],
                     "identical_to_target_only": m.identical,
                 }
             )
         settings = asdict(self.settings)
         settings["prompts"] = self.settings.prompt_texts
-        return {"settings": settings, "machine": self.machine, "modes": rows}
+        return {
+            "settings": settings,
+            "machine": self.machine,
+            "best_fixed_depth": best,
+            "modes": rows,
+        }
 
 
 def machine_info(pair: LoadedPair) -> dict[str, object]:
@@ -360,7 +381,8 @@ def _one_round(
     modes.append(run_engine_mode(pair, TARGET_ONLY, None, prompts, settings))
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
-        modes.append(run_engine_mode(pair, f"specpair k={depth}", knobs, prompts, settings))
+        name = f"{FIXED_DEPTH_PREFIX}{depth}"
+        modes.append(run_engine_mode(pair, name, knobs, prompts, settings))
     if settings.adaptive:
         default = SpeculationKnobs()
         name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})"
@@ -430,8 +452,10 @@ def format_table(result: BenchResult) -> str:
         "vs target",
         "vs HF",
         "vs HF onednn",
+        "vs best k",
         "identical",
     )
+    best = result.best_fixed_depth()
     rows = [header]
     for m in result.modes:
         rows.append(
@@ -444,6 +468,7 @@ def format_table(result: BenchResult) -> str:
                 _ratio_cell(result, m, TARGET_ONLY),
                 _ratio_cell(result, m, HF_ASSISTED),
                 _ratio_cell(result, m, HF_ASSISTED_ONEDNN),
+                _ratio_cell(result, m, best) if best else "n/a",
                 "yes" if m.identical else "NO",
             )
         )
@@ -456,6 +481,7 @@ def format_table(result: BenchResult) -> str:
         f"greedy, chat template {'on' if s.chat else 'off'}; {s.runs} rounds: "
         "tok/s and ratios are medians over rounds [min-max of the per-round ratios]",
         ", ".join(f"{key}: {value}" for key, value in result.machine.items()),
+        f"vs best k: against {best or 'no fixed depth'}, the fixed depth with the most tok/s",
         "",
     ]
     return "\n".join(lines)
@@ -468,7 +494,7 @@ def plot(result: BenchResult, path: Path) -> None:
     matplotlib.use("Agg")  # no display; must come before pyplot
     import matplotlib.pyplot as plt
 
-    fixed = [m for m in result.modes if m.mode.startswith("specpair k=")]
+    fixed = result.fixed_depth_modes()
     depths = [m.depth or 0 for m in fixed]
     figure, speed_axis = plt.subplots(figsize=(7, 4.5))
     speed_axis.plot(depths, [m.tokens_per_second for m in fixed], "o-", label="specpair tokens/s")

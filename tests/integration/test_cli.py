@@ -253,6 +253,9 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
     assert modes["specpair k=2"]["drafted_tokens"] > 0
     assert modes["hf-assisted"]["acceptance_rate"] is None
     assert "stock transformers" in str(report["machine"]["hf_assisted_kernels"])
+    assert report["best_fixed_depth"] in ("specpair k=1", "specpair k=2")
+    best = modes[report["best_fixed_depth"]]
+    assert best["vs_best_fixed_depth_per_round"] == pytest.approx([1.0, 1.0])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
