@@ -52,6 +52,9 @@ eight streams, only the second level had such gaps.
     python bench/bench_server.py --real-pair --long-prompt-words 100   # after make models
     python bench/bench_server.py --config runtime.yaml --streams 1,4,8
     python bench/bench_server.py --config runtime.yaml --long-prompt-words 400
+    # another engine under the same load: its runtime/ from another revision
+    git archive REV runtime | tar -x -C /tmp/old
+    python bench/bench_server.py --config old.yaml --runtime-src /tmp/old
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -196,6 +200,15 @@ def percentiles(values: list[float]) -> dict[str, float]:
         "p95": round(cuts[94] * 1000, 2),
         "p99": round(cuts[98] * 1000, 2),
     }
+
+
+def server_env(base: Mapping[str, str], runtime_src: Path | None) -> dict[str, str]:
+    """The server child's environment; with ``runtime_src``, its ``runtime/`` is imported
+    instead of this checkout's, so two engines meet the same load and client."""
+    env = {**base, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    if runtime_src is not None:
+        env["PYTHONPATH"] = str(runtime_src / "runtime")
+    return env
 
 
 def free_port() -> int:
@@ -406,7 +419,7 @@ def bench_mode(
     }
     path = workdir / f"config-{mode}.yaml"
     path.write_text(yaml.safe_dump({**config, "speculation": speculation, "serving": serving}))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = server_env(os.environ, args.runtime_src)
     log_path = workdir / f"server-{mode}.log"
     command = [sys.executable, "-m", "specpair_runtime", "serve", "--config", str(path)]
     if args.device:
@@ -607,9 +620,20 @@ def main() -> int:
         metavar="N",
         help="N words of context before every other prompt (long prompts arriving)",
     )
+    parser.add_argument(
+        "--runtime-src",
+        type=Path,
+        metavar="DIR",
+        help="serve from DIR/runtime (another revision's tree) instead of this checkout",
+    )
     args = parser.parse_args()
     if args.draft_quantization is not None and not args.real_pair:
         parser.error("--draft-quantization goes with --real-pair (a --config names its own)")
+    if (
+        args.runtime_src is not None
+        and not (args.runtime_src / "runtime" / "specpair_runtime").is_dir()
+    ):
+        parser.error(f"--runtime-src: {args.runtime_src}/runtime/specpair_runtime does not exist")
 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         workdir = Path(tmp)

@@ -3,6 +3,10 @@ ServerMetrics page."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from bench.bench_server import (
     LevelResult,
@@ -17,6 +21,7 @@ from bench.bench_server import (
     merge_rounds,
     prompt_for,
     round_order,
+    server_env,
     step_delta,
     step_totals,
 )
@@ -134,3 +139,22 @@ def test_the_goal_ratio_is_the_top_levels_p99_over_one_streams() -> None:
     assert goal_ratios([top, single]) == {"speculation": 1.25}
     assert describe_round([top, single], "speculation") == "1.25x (500 / 400 ms)"
     assert describe_round([top, single], "target-only") == "-"
+
+
+def test_another_runtime_tree_is_what_the_server_child_imports(tmp_path: Path) -> None:
+    env = server_env({"PATH": "/bin", "PYTHONPATH": "/elsewhere"}, tmp_path)
+    assert env["PYTHONPATH"] == str(tmp_path / "runtime")
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
+    assert server_env({"PYTHONPATH": "/kept"}, None)["PYTHONPATH"] == "/kept"
+
+
+def test_a_runtime_tree_without_the_package_is_refused_by_name(tmp_path: Path) -> None:
+    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_server.py"
+    run = subprocess.run(
+        [sys.executable, str(bench), "--tiny", "--runtime-src", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert f"--runtime-src: {tmp_path}/runtime/specpair_runtime does not exist" in run.stderr
