@@ -28,7 +28,7 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
     int4-weight on the CPU: cheaper than fp32 and accepted nearly as often
     (engine/int4_linears.py has the numbers), also where oneDNN has no native
     bf16 (an AVX2-only AMD EPYC: 1.71x target-only against 1.33x for the fp32
-    draft, docs/benchmarks.md); nothing on CUDA, where the draft's bf16
+    draft, docs/benchmarks-history.md); nothing on CUDA, where the draft's bf16
     forward is cheap already.
     """
     return "int4-weight" if device_type == "cpu" else "none"

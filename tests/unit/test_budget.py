@@ -246,7 +246,7 @@ def test_the_first_chunk_of_a_step_gets_at_least_the_floor(
 def test_an_unmeasured_budget_leaves_prompt_work_only_the_floor() -> None:
     # The start value is a guess: 23-27 prompt tokens beside 1-4 decoding rows made
     # the first mixed step of an 8-stream level take 0.87-1.45 s, its neighbours
-    # 0.5-0.9 s (the 1.5B pair, docs/benchmarks.md, stops 30 and 31).
+    # 0.5-0.9 s (the 1.5B pair, docs/benchmarks-history.md, stops 30 and 31).
     budget = StepBudget(32, 256)
     left = 32 - 4 * 2  # four rows decoding at depth 1
     assert budget.chunk_room(left) == 0

@@ -45,7 +45,7 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   Where a chunk's tokens cost next to nothing, that is still the ceiling; the
   tiny pair in the server (a 100-token chunk adds a few ms to a 4 ms step) now
   takes smaller chunks too: its 8-stream p99 ITL fell, its time to first
-  token rose (docs/benchmarks.md, stop 27).
+  token rose (docs/benchmarks-history.md, stop 27).
   The budget grows at most ``GROWTH``
   times per step, so a larger chunk is probed before it is trusted, and stays
   within [``MIN_PREFILL_CHUNK``, ``ceiling``].
@@ -57,7 +57,7 @@ floor (``chunk_room``): the start value is a guess, not a measurement. On
 the 1.5B pair its 23-27 prompt tokens beside 1-4 decoding rows made the
 first mixed step of an 8-stream level take 0.87-1.45 s, against 0.5-0.9 s
 for the ten steps after it: up to three of the level's ten longest gaps
-(docs/benchmarks.md, stops 30 and 31). A key never seen plain leaves the
+(docs/benchmarks-history.md, stops 30 and 31). A key never seen plain leaves the
 budget unmeasured, and such steps then keep to the floor: slower prompts,
 never a stall for the running streams.
 """
@@ -171,7 +171,7 @@ class StepBudget:
         At 8 streams with long prompts arriving nearly every step carries prompt
         work, so the exact shape is rare, and the nearest row count on record
         can be far: 7-row steps on the 1.5B pair were compared with the
-        single stream's 1-row steps (docs/benchmarks.md, stop 28).
+        single stream's 1-row steps (docs/benchmarks-history.md, stop 28).
         """
         exact = self.pure.get((decoding_rows, depth))
         if exact is not None:
@@ -215,7 +215,7 @@ def prefill_order(pending: Sequence[int], waited: Sequence[int]) -> list[int]:
     Shortest remaining prompt first, the order that minimizes the mean time to
     first token: first come, first served made a 20-token prompt wait behind
     every 600-token one that arrived before it (its first token 12-22 s late
-    at 8 streams on the 1.5B pair; docs/benchmarks.md, stop 32). With aging:
+    at 8 streams on the 1.5B pair; docs/benchmarks-history.md, stop 32). With aging:
     each step a request has waited since its admission (``waited``) lowers its
     key by ``PREFILL_AGING``, so later, shorter prompts pass a prompt for at
     most ``pending / PREFILL_AGING`` steps, and none waits forever. The aging
@@ -237,7 +237,7 @@ def draft_catch_up(fed: int, drafts: bool) -> int:
     row after steps that did not draft reads what they committed. Taken for a
     pure decode step, such a step set the 8-row reference 30 % high (0.69 s
     against 0.49-0.53 s), and every chunk then looked cheap: budgets of 22-35
-    tokens and steps with prompt work of 0.80-1.11 s (docs/benchmarks.md, stop 30).
+    tokens and steps with prompt work of 0.80-1.11 s (docs/benchmarks-history.md, stop 30).
     """
     return fed if not drafts else max(fed - STEADY_DRAFT_FEED, 0)
 

@@ -25,7 +25,7 @@ EPYC vCPUs (AVX-512, stop 31), milliseconds for 1 / 2 / 3 / 4 / 5 / 8 rows:
 
 Run as two rows, as this module did before, a 1-token forward of the 1.5B
 target took 346-410 ms there, more than its 4-token verify (320-333 ms);
-padded to four, 305-311 ms (``bench_forward.py``, docs/benchmarks.md).
+padded to four, 305-311 ms (``bench_forward.py``, docs/benchmarks-history.md).
 
 ``use_onednn_linears`` switches every fp32 ``nn.Linear`` of a model in place.
 The packed copy is opaque, so the plain weight stays where the model needs it:

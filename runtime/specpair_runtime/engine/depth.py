@@ -32,7 +32,7 @@ by being cut short, not by wasted verify work):
    Each size's own minimum was compared before: on a shared machine whose
    speed drifts, a size timed once in a fast moment looked a third cheaper
    than the others, and the cap sat at depth 1 for 15 steps of a 32-token
-   run (docs/benchmarks.md, stop 37). A pooled line cannot favour one size
+   run (docs/benchmarks-history.md, stop 37). A pooled line cannot favour one size
    by luck: a fast moment lowers the level of every depth alike. A
    target-only step (``t_v(1)``) keeps its own minimum: it is the baseline
    that speculation is compared with, timed only in rare probes, and on
@@ -46,7 +46,7 @@ by being cut short, not by wasted verify work):
    break-even cost with that row's own draft probabilities, which an
    engine-wide average cannot see; a cap below the batch cap also cut the
    confident rows, which the target would have taken (make bench's
-   prompts, greedy: 35 target passes against 33, docs/benchmarks.md,
+   prompts, greedy: 35 target passes against 33, docs/benchmarks-history.md,
    stop 43). Only after ``MIN_VERDICT_STEPS`` speculation steps
    (one noisy timing must not switch speculation off) and when target-only
    (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the cap
@@ -56,7 +56,7 @@ by being cut short, not by wasted verify work):
    pays again). A re-probe speculates only in steps without prompt chunks:
    on 2 CPU cores a depth-1 step of 8 rows costs about twice a target-only
    one, and with a prompt chunk and a draft catch-up on top it took 2-3x
-   (one in-process trace, docs/benchmarks.md). Every step without drafts and
+   (one in-process trace, docs/benchmarks-history.md). Every step without drafts and
    without prompt work is timed as ``t_v(1)``, whatever made it one: a probe,
    or rows that draft nothing (a row's last token, at one stream). While
    speculating it probes one target-only step when ``t_v(1)`` is still
@@ -394,7 +394,7 @@ class DepthController:
         if measured_draft_confidence(self.knobs, self.device_type):
             # The confidence stop cuts each row at the same break-even bar, with the
             # row's own draft probabilities; a cap below the batch cap cut rows the
-            # stop would have let draft (docs/benchmarks.md, stop 43).
+            # stop would have let draft (docs/benchmarks-history.md, stop 43).
             return StepPlan(cap, None)
         if cost_cap < cap and self.speculation_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             return StepPlan(cap, None)  # re-measure the deeper positions

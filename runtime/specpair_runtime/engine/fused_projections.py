@@ -7,7 +7,7 @@ output column still comes from its own weight row, so the results are the
 same bits as the separate calls (``test_fused_projections.py`` checks it on
 the oneDNN and int4 paths); only the per-call overhead goes, which on a
 2-core CPU is most of what a small draft's narrow k and v projections cost
-(docs/benchmarks.md, stop 33).
+(docs/benchmarks-history.md, stop 33).
 
 ``fuse_projections`` runs once, at load time, before the draft is quantized
 and before the target's linears are prepacked, so those steps see one plain

@@ -556,7 +556,7 @@ class SpeculativeEngine:
         until it has caught up. (With the draft at the plain budget while the
         target took the ceiling, and without the floor, 18-50 % of the decoding
         rows at 8 streams on the 1.5B pair did not draft, their drafts lagging
-        by a median of 49-126 tokens: docs/benchmarks.md, stop 30.)
+        by a median of 49-126 tokens: docs/benchmarks-history.md, stop 30.)
         """
         budget = self.step_tokens
         draft_budget = self.step_tokens
