@@ -59,6 +59,13 @@ def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool
     return knobs.draft_confidence is None and resolved_draft_confidence(knobs, device_type) > 0
 
 
+def resolved_during_prefill(knobs: SpeculationKnobs, device_type: str) -> bool:
+    """Whether steps that read a prompt chunk speculate: the knob, else all but the CPU."""
+    if knobs.during_prefill is not None:
+        return knobs.during_prefill
+    return device_type != "cpu"
+
+
 class ContractModel(BaseModel):
     """Base for contract models: camelCase aliases, no unknown fields."""
 
@@ -129,6 +136,16 @@ class SpeculationKnobs(ContractModel):
     )
     disable_above_batch_size: int | None = Field(
         default=None, ge=1, description="Pause speculation while the running batch is larger."
+    )
+    during_prefill: bool | None = Field(
+        default=None,
+        description=(
+            "Speculate in steps that also read a prompt chunk (chunked prefill). Default: "
+            "on, except on the CPU, where such a step is bound by its arithmetic: there "
+            "the verify tokens slow the prompts' reading about as much as they speed up "
+            "the decoding requests, so the decoding requests take one token per step "
+            "until the waiting prompts are read."
+        ),
     )
     acceptance_floor: float = Field(
         default=0.0,

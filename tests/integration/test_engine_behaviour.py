@@ -17,6 +17,8 @@ from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEng
 NEW = 24
 GREEDY = SamplingParams(max_new_tokens=NEW)
 FIXED = SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False)
+# Speculating in steps that read a prompt chunk too, as on CUDA by default.
+FIXED_DURING_PREFILL = FIXED.model_copy(update={"during_prefill": True})
 # A draft-confidence threshold at which the tiny draft is sometimes sure, sometimes not.
 CUTS_SOME = 0.4
 TEXTS = ["Hello, how can I help", "My order has not", "The refund will", "one two three"]
@@ -346,7 +348,9 @@ def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     # target-only probe must wait for such a step: asked for in every step with
     # a chunk, it was never timed, so it was asked for again, and speculation
     # stopped for as long as prompts kept arriving.
-    engine = _chunking_engine(pair, SpeculationKnobs(max_depth=3, acceptance_floor=0.0))
+    # duringPrefill on, as on CUDA by default (on the CPU such steps do not speculate).
+    knobs = SpeculationKnobs(max_depth=3, acceptance_floor=0.0, during_prefill=True)
+    engine = _chunking_engine(pair, knobs)
     outputs: dict[str, list[int]] = {}
     engine.add_request("a", prompts[1], SamplingParams(max_new_tokens=200))
     while not outputs.get("a"):
@@ -363,6 +367,43 @@ def test_speculation_goes_on_while_a_prompt_is_prefilled_in_chunks(
     assert all(depth > 0 for depth in depths)
     _drain(engine, outputs)  # both decode, no chunk: the probe runs now
     assert engine.fallback_counts.get("probe", 0) == 1
+
+
+def test_on_the_cpu_a_step_that_reads_a_prompt_does_not_speculate(
+    pair: TinyPair, prompts: list[list[int]], alone: list[list[int]]
+) -> None:
+    """``duringPrefill`` unset on the CPU: while a prompt enters in chunks, the
+    decoding row takes one token per step, its draft and the prompt's keep
+    reading, and both rows draft from the first step after the prompt."""
+    long_prompt = prompts[0] * 12
+    (reference,) = generate(_engine(pair, draft=False), [long_prompt], GREEDY)
+    engine = _chunking_engine(pair, FIXED)
+    assert engine.device.type == "cpu" and FIXED.during_prefill is None
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("a", prompts[1], GREEDY)
+    while not outputs.get("a"):
+        _drain(engine, outputs)
+    _drain(engine, outputs)
+    assert engine.last_step_depth == FIXED.max_depth  # alone, it speculates
+    engine.add_request("long", long_prompt, GREEDY)
+    chunk_steps = 0
+    while not outputs.get("long"):
+        before = engine.fallback_counts.get(speculative.PREFILL, 0)
+        events = _drain(engine, outputs)
+        if engine.fallback_counts.get(speculative.PREFILL, 0) > before:
+            chunk_steps += 1
+            assert [e.request_id for e in events if e.token_ids] in (["a"], ["a", "long"])
+            assert all(e.drafted == 0 for e in events)
+    assert chunk_steps >= 4  # really chunked, and plain
+    if engine.last_step_depth == 0:  # the last chunk sampled long's first token
+        events = _drain(engine, outputs)
+    # Else the prompt's last token was read as a decoding row's, in a step without a
+    # chunk. Either way the first such step drafts for both: no draft fell behind.
+    assert {e.request_id: e.drafted > 0 for e in events} == {"a": True, "long": True}
+    while engine.has_unfinished():
+        _drain(engine, outputs)
+    assert outputs["a"] == alone[1]
+    assert outputs["long"] == reference.token_ids
 
 
 def test_a_requests_last_token_is_the_targets_alone_and_times_target_only(
@@ -461,7 +502,7 @@ def test_the_draft_keeps_pace_with_a_prefill_beside_busy_decodes(
     """Four decoding rows use up a 12-token budget; the prompt still enters at the
     floor of 8 tokens a step, and the draft must read as many, so that the new
     row drafts from its first decode step on (it fell 2 tokens a step behind)."""
-    engine = _chunking_engine(pair, FIXED)
+    engine = _chunking_engine(pair, FIXED_DURING_PREFILL)
     outputs: dict[str, list[int]] = {}
     for i in range(4):
         engine.add_request(f"busy{i}", prompts[i % len(prompts)], SamplingParams(max_new_tokens=60))
@@ -491,7 +532,7 @@ def test_a_measured_budget_probes_its_first_mixed_step_with_the_floor(
 ) -> None:
     """Beside decoding rows the first prompt chunk is the floor, not the start
     budget's guess; later chunks follow what that step measured."""
-    engine = _engine(pair)  # no maxStepTokens: the budget is measured
+    engine = _engine(pair, FIXED_DURING_PREFILL)  # no maxStepTokens: the budget is measured
     outputs: dict[str, list[int]] = {}
     for i in range(2):
         engine.add_request(f"busy{i}", prompts[i], SamplingParams(max_new_tokens=60))

@@ -84,7 +84,9 @@ def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity(
     prompts = [_encode(pair, text) for text in BATCH]
     assert len({len(p) for p in prompts}) == len(prompts)  # unequal lengths
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
+    # Speculating beside the prompt chunks too (duringPrefill is off on the CPU by
+    # default): the harder case, and CUDA's default.
+    knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False, during_prefill=True)
     engine = pair.engine(knobs=knobs)
     outputs: dict[str, list[int]] = {}
     engine.add_request("0", prompts[0], params)

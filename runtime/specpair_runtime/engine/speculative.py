@@ -6,7 +6,10 @@ A step, for every running request at once (``plan.py`` decides the shapes):
    A request starts past the longest prefix of its prompt whose KV a slot
    still holds (``prefix_reuse.py``).
 2. One depth ``k`` for the step (``depth.py``); 0 makes it a target-only step.
-3. Draft (only when ``k > 0``): forward 0 is one flat ragged batch in which
+   A step that reads a prompt chunk beside decoding rows takes ``k = 0``
+   where ``duringPrefill`` is off (the CPU's default, ``config.py``); its
+   drafts still catch up.
+3. Draft (when ``k > 0``, or to catch up): forward 0 is one flat ragged batch in which
    every decoding row feeds the committed tokens its draft has not seen
    (usually 1-2) and gets logits for its first draft token, and every other
    row catches its draft up by a chunk. Forwards 1..k-1 feed one drafted
@@ -56,6 +59,7 @@ from specpair_runtime.config import (
     SpeculationKnobs,
     measured_draft_confidence,
     resolved_draft_confidence,
+    resolved_during_prefill,
 )
 from specpair_runtime.engine.api import (
     FinishReason,
@@ -98,6 +102,8 @@ from specpair_runtime.engine.sampling import (
 from specpair_runtime.engine.stopping import OutputStream
 
 KEEP_FINISHED_STATS = 4096
+# Why a step with decoding rows did not speculate: it read a prompt chunk (``duringPrefill``).
+PREFILL = "prefill"
 MEMORY_PRESSURE = "memory_pressure"
 
 
@@ -286,7 +292,8 @@ class SpeculativeEngine:
         self._steps = 0  # steps run, for the prefill order's aging
         self._done: OrderedDict[str, RequestStats] = OrderedDict()
         # Target-only steps by reason: no_draft, refused, disabled, a pause reason,
-        # acceptance_floor, batch_size, probe (cost measurement), not_paying.
+        # acceptance_floor, batch_size, probe (cost measurement), not_paying, prefill
+        # (a step that reads a prompt chunk, with ``duringPrefill`` off).
         self.fallback_counts: dict[str, int] = {}
         self.last_step_depth = 0
         # The last step's time, for the server's step histogram; None when step() ran nothing.
@@ -460,7 +467,7 @@ class SpeculativeEngine:
             if not self._running:
                 return []
             depth, reason = self._plan_depth()
-            rows = self._plan_rows(depth)
+            rows = self._plan_rows(depth, drafts_read=depth > 0 or reason == PREFILL)
             decoding = [r for r in rows if r.request.decoding and r.samples]
             if depth == 0 and reason is not None and decoding:
                 self.fallback_counts[reason] = self.fallback_counts.get(reason, 0) + 1
@@ -539,10 +546,17 @@ class SpeculativeEngine:
             return 0, self._off_label()
         decoding = self._decoding_count()
         # Only a step without prompt chunks is timed (``_record``); ``_admit`` ran already.
-        plan = self.controller.plan(max(decoding, 1), timed=decoding == len(self._running))
+        reads_prompt = decoding < len(self._running)  # the first prefill gets a chunk
+        plan = self.controller.plan(max(decoding, 1), timed=not reads_prompt)
+        if (
+            plan.cap > 0
+            and reads_prompt
+            and not resolved_during_prefill(self.knobs, self.device.type)
+        ):
+            return 0, PREFILL  # the decoding rows take one token; the prompts read sooner
         return plan.cap, plan.reason
 
-    def _plan_rows(self, depth: int) -> list[_Row]:
+    def _plan_rows(self, depth: int, drafts_read: bool) -> list[_Row]:
         """Every running request's tokens for this step, within the token budget.
 
         Decoding rows always run (the streams never wait); prefill chunks fill
@@ -557,6 +571,9 @@ class SpeculativeEngine:
         target took the ceiling, and without the floor, 18-50 % of the decoding
         rows at 8 streams on the 1.5B pair did not draft, their drafts lagging
         by a median of 49-126 tokens: docs/benchmarks-history.md, stop 30.)
+        ``drafts_read``: the drafts catch up in this step. They do in a step that
+        does not speculate only because it reads a prompt (``duringPrefill``):
+        speculation then resumes at once when the prompts are read.
         """
         budget = self.step_tokens
         draft_budget = self.step_tokens
@@ -598,7 +615,7 @@ class SpeculativeEngine:
             budget -= size
             start = request.target_len
             rows.append(_Row(request, request.tokens(start, start + size), size == pending))
-        if depth > 0:  # drafts of rows that do not draft now catch up in chunks
+        if drafts_read:  # drafts of rows that do not draft now catch up in chunks
             first_catch_up = True
             for row in rows:
                 request = row.request
@@ -739,7 +756,7 @@ class SpeculativeEngine:
         timer = _StepTimer(self.device)
         draft_tokens, draft_probs = (
             self._draft(rows, depth)
-            if depth > 0 and self.draft is not None
+            if self.draft is not None and any(r.draft_tokens for r in rows)
             else (torch.empty(0, dtype=torch.long, device=self.device), None)
         )
         timer.mark()  # the draft is done
