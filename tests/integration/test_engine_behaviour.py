@@ -10,7 +10,7 @@ from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, Spec
 from specpair_runtime.engine import speculative
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
-from specpair_runtime.engine.depth import MIN_VERDICT_STEPS
+from specpair_runtime.engine.depth import MIN_VERDICT_STEPS, PREFILL
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEngine, generate
 
@@ -388,9 +388,9 @@ def test_on_the_cpu_a_step_that_reads_a_prompt_does_not_speculate(
     engine.add_request("long", long_prompt, GREEDY)
     chunk_steps = 0
     while not outputs.get("long"):
-        before = engine.fallback_counts.get(speculative.PREFILL, 0)
+        before = engine.fallback_counts.get(PREFILL, 0)
         events = _drain(engine, outputs)
-        if engine.fallback_counts.get(speculative.PREFILL, 0) > before:
+        if engine.fallback_counts.get(PREFILL, 0) > before:
             chunk_steps += 1
             assert [e.request_id for e in events if e.token_ids] in (["a"], ["a", "long"])
             assert all(e.drafted == 0 for e in events)

@@ -14,11 +14,13 @@ from specpair_runtime.engine.depth import (
     EXPLORE_EVERY,
     FIRST_BACKOFF,
     MIN_VERDICT_STEPS,
+    PREFILL,
     PROBE_TARGET_EVERY,
     TIMING_WINDOW,
     AcceptanceFloor,
     CostModel,
     DepthController,
+    StepPlan,
     VerifyLine,
     batch_depth_cap,
     expected_tokens,
@@ -323,7 +325,8 @@ def test_with_the_measured_confidence_stop_the_cap_is_the_batch_cap() -> None:
 def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
     # Prompts arriving all the time: a probe in a step with a chunk would not be
     # timed, and asking for it again on every such step stops speculation.
-    controller = DepthController(SpeculationKnobs(max_depth=4), "cpu")
+    # (duringPrefill on, as on CUDA: on the CPU such steps do not speculate.)
+    controller = DepthController(SpeculationKnobs(max_depth=4, during_prefill=True), "cpu")
     controller.cost.record_draft(1, 0.5)
     controller.cost.record_verify(1, 5, 3.0)
     for _ in range(MIN_VERDICT_STEPS):
@@ -370,3 +373,16 @@ def test_only_an_unset_adaptive_cpu_stop_follows_the_measured_costs(
 def test_a_bad_draft_confidence_names_the_field() -> None:
     with pytest.raises(ValidationError, match="draftConfidence"):
         SpeculationKnobs.model_validate({"draftConfidence": 1.5})
+
+
+def test_a_step_with_a_prompt_chunk_speculates_only_where_during_prefill_is_on() -> None:
+    knobs = SpeculationKnobs(max_depth=4, adaptive=False)
+    on_cpu = DepthController(knobs, "cpu")
+    assert on_cpu.plan(1, timed=False) == StepPlan(0, PREFILL)
+    assert on_cpu.plan(1, timed=True) == StepPlan(4, None)  # no prompt chunk
+    assert DepthController(knobs, "cuda").plan(1, timed=False) == StepPlan(4, None)
+    on = knobs.model_copy(update={"during_prefill": True})
+    assert DepthController(on, "cpu").plan(1, timed=False) == StepPlan(4, None)
+    # A step that would not speculate anyway keeps its own reason.
+    capped = knobs.model_copy(update={"disable_above_batch_size": 1})
+    assert DepthController(capped, "cpu").plan(2, timed=False) == StepPlan(0, "batch_size")

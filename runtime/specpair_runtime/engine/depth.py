@@ -79,6 +79,10 @@ drafts once the product of the draft's probabilities of its drafts so far
 to pay for itself at the measured costs. So acceptance per position is
 counted over the rows that reached it, and a step is timed at the depth its
 rows really drafted.
+
+A step that carries a prompt chunk does not speculate where ``duringPrefill``
+is off, unset the CPU's default (``PREFILL``; architecture.md, depth rule 6);
+the engine still lets the drafts catch up in it.
 """
 
 from __future__ import annotations
@@ -88,7 +92,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specpair_runtime.config import SpeculationKnobs, measured_draft_confidence
+from specpair_runtime.config import (
+    SpeculationKnobs,
+    measured_draft_confidence,
+    resolved_during_prefill,
+)
 
 # Step timings are the minimum of the last TIMING_WINDOW samples: a busy
 # (shared) machine only ever adds time, so the minimum is the closest to the
@@ -103,6 +111,8 @@ NOT_PAYING_MARGIN = 1.05  # target-only must win by 5% to switch speculation off
 PRIOR_WEIGHT = 4.0  # pseudo-counts of the previous position's rate in a position's estimate
 EXPLORE_EVERY = 8  # speculation steps between steps at the batch cap (when the cap is lower)
 VERIFY_SAMPLES = 32  # verify timings (n >= 2 tokens) per batch size that the cost line is fitted to
+# A plain step's reason when it carries a prompt chunk and ``duringPrefill`` is off.
+PREFILL = "prefill"
 
 
 def batch_depth_cap(batch_size: int, knobs: SpeculationKnobs) -> int:
@@ -349,8 +359,18 @@ class DepthController:
         recorded. A target-only probe waits for such a step: a probe that
         records nothing would be asked for again and again while prompts keep
         arriving (one run of the 1.5B pair under load spent 32 % of its steps
-        on such probes, each a step without speculation).
+        on such probes, each a step without speculation). A step that carries
+        one does not speculate where ``duringPrefill`` is off (the CPU's
+        default): there the verify tokens slow the prompts about as much as
+        they speed up the decoding rows (architecture.md, depth rule 6).
         """
+        plan = self._speculation_plan(batch_size, timed)
+        if plan.cap > 0 and not timed and not resolved_during_prefill(self.knobs, self.device_type):
+            return StepPlan(0, PREFILL)
+        return plan
+
+    def _speculation_plan(self, batch_size: int, timed: bool) -> StepPlan:
+        """Rules 1-3 of the module docstring and the probes, for ``plan``."""
         cap = batch_depth_cap(batch_size, self.knobs)
         if cap == 0:
             return StepPlan(0, "batch_size")

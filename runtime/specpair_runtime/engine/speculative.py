@@ -59,7 +59,6 @@ from specpair_runtime.config import (
     SpeculationKnobs,
     measured_draft_confidence,
     resolved_draft_confidence,
-    resolved_during_prefill,
 )
 from specpair_runtime.engine.api import (
     FinishReason,
@@ -75,7 +74,7 @@ from specpair_runtime.engine.budget import (
     prefill_order,
 )
 from specpair_runtime.engine.cpu_kernels import use_onednn_linears
-from specpair_runtime.engine.depth import DepthController
+from specpair_runtime.engine.depth import PREFILL, DepthController
 from specpair_runtime.engine.kvcache import RowSpan
 from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.logprobs import (
@@ -102,8 +101,6 @@ from specpair_runtime.engine.sampling import (
 from specpair_runtime.engine.stopping import OutputStream
 
 KEEP_FINISHED_STATS = 4096
-# Why a step with decoding rows did not speculate: it read a prompt chunk (``duringPrefill``).
-PREFILL = "prefill"
 MEMORY_PRESSURE = "memory_pressure"
 
 
@@ -546,14 +543,9 @@ class SpeculativeEngine:
             return 0, self._off_label()
         decoding = self._decoding_count()
         # Only a step without prompt chunks is timed (``_record``); ``_admit`` ran already.
-        reads_prompt = decoding < len(self._running)  # the first prefill gets a chunk
-        plan = self.controller.plan(max(decoding, 1), timed=not reads_prompt)
-        if (
-            plan.cap > 0
-            and reads_prompt
-            and not resolved_during_prefill(self.knobs, self.device.type)
-        ):
-            return 0, PREFILL  # the decoding rows take one token; the prompts read sooner
+        # The first prefilling request gets a chunk; with duringPrefill off such a
+        # step does not speculate (PREFILL).
+        plan = self.controller.plan(max(decoding, 1), timed=decoding == len(self._running))
         return plan.cap, plan.reason
 
     def _plan_rows(self, depth: int, drafts_read: bool) -> list[_Row]:
