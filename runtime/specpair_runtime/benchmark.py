@@ -1,10 +1,13 @@
 """``specpair-runtime bench``: target-only vs specpair vs transformers assisted generation.
 
 All modes run on the same loaded pair, the same prompts and in the same
-process, so the ratios compare like with like. With ``runs`` > 1 every mode
-runs once per round, rounds one after the other; each ratio is computed
+process, so the ratios compare like with like. Within a round every mode is
+set up and warmed first, then each prompt goes through every mode before the
+next prompt, in an order that rotates (``run_interleaved``): the two sides of
+a ratio ran seconds apart, so a slow spell of a shared machine hits both.
+With ``runs`` > 1 the rounds run one after the other; each ratio is computed
 within a round and the table shows the median over rounds with its spread
-(min-max), so a noisy neighbour on a shared machine hits both sides.
+(min-max).
 Speed is measured, never asserted; greedy identity with target-only decoding
 is reported per mode.
 
@@ -34,6 +37,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,7 +314,28 @@ def warm_up_prompt(prompts: list[list[int]]) -> list[int]:
     return [first, *prompts[0][1:]]
 
 
-def run_engine_mode(
+class ModeRunner:
+    """One mode of a round: set up and warmed once, then timed one prompt at a time."""
+
+    def __init__(self, result: ModeResult, decode: Callable[[list[int]], ModeResult]) -> None:
+        self.result = result
+        self._decode = decode
+
+    def run(self, prompt: list[int]) -> None:
+        """Decode ``prompt`` once and add its tokens, time and counts to ``result``."""
+        one = self._decode(prompt)
+        total = self.result
+        total.tokens += one.tokens
+        total.seconds += one.seconds
+        total.target_passes += one.target_passes
+        if one.drafted is not None and total.drafted is not None:
+            total.drafted += one.drafted
+        if one.accepted is not None and total.accepted is not None:
+            total.accepted += one.accepted
+        total.outputs += one.outputs
+
+
+def engine_mode(
     pair: LoadedPair,
     mode: str,
     knobs: SpeculationKnobs | None,
@@ -318,44 +343,58 @@ def run_engine_mode(
     settings: BenchSettings,
     *,
     prefix_reuse: bool = True,
-) -> ModeResult:
-    """Decode every prompt greedily with one engine configuration (None: target-only)."""
+) -> ModeRunner:
+    """A fresh engine for one configuration (None: target-only), warmed up, decoding greedily."""
     # KV storage for one request at a time (the default sizes a serving batch).
     length = max(len(p) for p in prompts) + settings.max_new_tokens
     options = EngineOptions(max_slots=1, max_length=length, prefix_reuse=prefix_reuse)
     engine = pair.engine(speculate=knobs is not None, knobs=knobs, options=options)
     params = SamplingParams(max_new_tokens=settings.max_new_tokens)
     run_request(engine, warm_up_prompt(prompts), SamplingParams(max_new_tokens=2))  # untimed
-    result = ModeResult(mode, knobs.max_depth if knobs is not None else None)
-    for _ in range(settings.repeats):
-        for prompt in prompts:
-            started = time.perf_counter()
-            completion = run_request(engine, prompt, params)
-            result.seconds += time.perf_counter() - started
-            stats = completion.stats
-            result.tokens += len(completion.token_ids)
-            result.drafted = (result.drafted or 0) + stats.drafted_tokens
-            result.accepted = (result.accepted or 0) + stats.accepted_tokens
-            result.target_passes += stats.target_passes
-            result.outputs.append(completion.token_ids)
-    log.info("%s: %.2f tokens/s", mode, result.tokens_per_second)
-    return result
+
+    def decode(prompt: list[int]) -> ModeResult:
+        started = time.perf_counter()
+        completion = run_request(engine, prompt, params)
+        seconds = time.perf_counter() - started
+        stats = completion.stats
+        return ModeResult(
+            mode,
+            None,
+            tokens=len(completion.token_ids),
+            seconds=seconds,
+            drafted=stats.drafted_tokens,
+            accepted=stats.accepted_tokens,
+            target_passes=stats.target_passes,
+            outputs=[completion.token_ids],
+        )
+
+    depth = knobs.max_depth if knobs is not None else None
+    return ModeRunner(ModeResult(mode, depth), decode)
 
 
-def run_hf_mode(
-    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings, name: str = HF_ASSISTED
-) -> ModeResult:
+def hf_mode(
+    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings, name: str
+) -> ModeRunner:
+    """transformers' assisted generation on the kernels the models have now, warmed up."""
     run_hf_assisted(pair, prompts[0], 2)  # warm-up, untimed
-    total = ModeResult(name, None, drafted=None, accepted=None)
-    for _ in range(settings.repeats):
-        for prompt in prompts:
-            one = run_hf_assisted(pair, prompt, settings.max_new_tokens, name)
-            total.tokens += one.tokens
-            total.seconds += one.seconds
-            total.target_passes += one.target_passes
-            total.outputs += one.outputs
-    log.info("%s: %.2f tokens/s", name, total.tokens_per_second)
-    return total
+    return ModeRunner(
+        ModeResult(name, None, drafted=None, accepted=None),
+        lambda prompt: run_hf_assisted(pair, prompt, settings.max_new_tokens, name),
+    )
+
+
+def run_interleaved(runners: list[ModeRunner], prompts: list[list[int]], shift: int) -> None:
+    """Each prompt through every mode before the next prompt, in an order that rotates.
+
+    So the modes that a ratio compares ran seconds apart, not minutes: a shared
+    machine's speed moves in spells (docs/benchmarks.md), and a spell then hits
+    both sides of a ratio. The rotation (``shift`` + the prompt's index) gives
+    no mode a fixed place in the order.
+    """
+    for index, prompt in enumerate(prompts):
+        first = (shift + index) % len(runners)
+        for runner in runners[first:] + runners[:first]:
+            runner.run(prompt)
 
 
 def linears_patched(model: torch.nn.Module) -> bool:
@@ -364,36 +403,45 @@ def linears_patched(model: torch.nn.Module) -> bool:
 
 
 def _one_round(
-    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings
+    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings, shift: int
 ) -> list[ModeResult]:
-    """Every mode once, in an order that keeps the kernels honest (see the module doc)."""
+    """Every mode over every prompt once; the order keeps the kernels honest (module doc)."""
     on_cpu = pair.target.device.type == "cpu"
+    timed = [p for _ in range(settings.repeats) for p in prompts]
     modes: list[ModeResult] = []
     if settings.hf_assisted:
+        # HF on its stock kernels runs first, on its own: the engine's need the weights repacked.
         for loaded in (pair.target, pair.draft):
             if loaded is not None:
                 restore_default_linears(loaded.model)
-        modes.append(run_hf_mode(pair, prompts, settings, HF_ASSISTED))
+        stock = hf_mode(pair, prompts, settings, HF_ASSISTED)
+        for prompt in timed:
+            stock.run(prompt)
+        modes.append(stock.result)
         # The engine's kernels, with the plain weights kept for the next round's baseline.
         for loaded in (pair.target, pair.draft):
             if loaded is not None and loaded.device.type == "cpu":
                 use_onednn_linears(loaded.model, keep_plain=True)
-    modes.append(run_engine_mode(pair, TARGET_ONLY, None, prompts, settings))
+    runners = [engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
         name = f"{FIXED_DEPTH_PREFIX}{depth}"
-        modes.append(run_engine_mode(pair, name, knobs, prompts, settings))
+        runners.append(engine_mode(pair, name, knobs, prompts, settings))
     if settings.adaptive:
         default = SpeculationKnobs()
         name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})"
-        modes.append(run_engine_mode(pair, name, default, prompts, settings))
-        modes.append(
-            run_engine_mode(
+        runners.append(engine_mode(pair, name, default, prompts, settings))
+        runners.append(
+            engine_mode(
                 pair, name + NO_REUSE_SUFFIX, default, prompts, settings, prefix_reuse=False
             )
         )
     if settings.hf_assisted and on_cpu and linears_patched(pair.target.model):
-        modes.append(run_hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
+        runners.append(hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
+    run_interleaved(runners, timed, shift)
+    modes += [runner.result for runner in runners]
+    for mode in modes:
+        log.info("%s: %.2f tokens/s", mode.mode, mode.tokens_per_second)
     return modes
 
 
@@ -403,8 +451,9 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
     prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
     machine = machine_info(pair)
     merged: dict[str, ModeResult] = {}
-    for _ in range(settings.runs):
-        round_modes = _one_round(pair, prompts, settings)
+    for index in range(settings.runs):
+        # The rotation goes on across rounds, so each mode leads a different prompt.
+        round_modes = _one_round(pair, prompts, settings, shift=index * len(prompts))
         reference = next(m.outputs for m in round_modes if m.mode == TARGET_ONLY)
         for mode in round_modes:
             total = merged.setdefault(

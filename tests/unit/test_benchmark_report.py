@@ -1,4 +1,4 @@
-"""The engine benchmark's report: the default's bar is the best fixed depth, within rounds."""
+"""The engine benchmark: modes interleaved prompt by prompt; the report compares within rounds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from specpair_runtime.benchmark import (
     BenchResult,
     BenchSettings,
     ModeResult,
+    ModeRunner,
     format_table,
+    run_interleaved,
 )
 
 DEFAULT = "specpair default (adaptive<=4)"
@@ -52,3 +54,27 @@ def test_the_table_names_the_best_fixed_depth_and_shows_the_spread() -> None:
     assert "against specpair k=4" in table
     default_line = next(line for line in table.splitlines() if line.startswith(DEFAULT))
     assert "1.02x [0.96-1.10]" in default_line
+
+
+def test_each_prompt_goes_through_every_mode_before_the_next_in_a_rotating_order() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def runner(name: str) -> ModeRunner:
+        def decode(prompt: list[int]) -> ModeResult:
+            calls.append((name, prompt[0]))
+            return ModeResult(name, None, tokens=2, seconds=0.5, target_passes=1, outputs=[prompt])
+
+        return ModeRunner(ModeResult(name, None), decode)
+
+    runners = [runner(name) for name in ("a", "b", "c")]
+    run_interleaved(runners, [[10], [11], [12], [13]], shift=1)
+    assert calls == [
+        ("b", 10), ("c", 10), ("a", 10),
+        ("c", 11), ("a", 11), ("b", 11),
+        ("a", 12), ("b", 12), ("c", 12),
+        ("b", 13), ("c", 13), ("a", 13),
+    ]  # fmt: skip
+    totals = runners[0].result
+    assert (totals.tokens, totals.seconds, totals.target_passes) == (8, 2.0, 4)
+    assert totals.outputs == [[10], [11], [12], [13]]  # each mode keeps the prompts' order
+    assert totals.drafted == 0  # an engine mode's counts add up from zero
