@@ -109,8 +109,8 @@ class ModeResult:
             return statistics.median(self.run_rates)
         return self.tokens / self.seconds if self.seconds else 0.0
 
-    def absorb(self, run: ModeResult) -> None:
-        """Add one round's result of the same mode."""
+    def add_counts(self, run: ModeResult) -> None:
+        """Add the tokens, time and counts of another result of the same mode."""
         self.tokens += run.tokens
         self.seconds += run.seconds
         self.target_passes += run.target_passes
@@ -118,6 +118,10 @@ class ModeResult:
             self.drafted += run.drafted
         if run.accepted is not None and self.accepted is not None:
             self.accepted += run.accepted
+
+    def absorb(self, run: ModeResult) -> None:
+        """Add one round's result of the same mode."""
+        self.add_counts(run)
         self.run_rates.append(run.tokens / run.seconds if run.seconds else 0.0)
 
     @property
@@ -324,15 +328,8 @@ class ModeRunner:
     def run(self, prompt: list[int]) -> None:
         """Decode ``prompt`` once and add its tokens, time and counts to ``result``."""
         one = self._decode(prompt)
-        total = self.result
-        total.tokens += one.tokens
-        total.seconds += one.seconds
-        total.target_passes += one.target_passes
-        if one.drafted is not None and total.drafted is not None:
-            total.drafted += one.drafted
-        if one.accepted is not None and total.accepted is not None:
-            total.accepted += one.accepted
-        total.outputs += one.outputs
+        self.result.add_counts(one)
+        self.result.outputs += one.outputs
 
 
 def engine_mode(
