@@ -3,8 +3,11 @@
 All modes run on the same loaded pair, the same prompts and in the same
 process, so the ratios compare like with like. Within a round every mode is
 set up and warmed first, then each prompt goes through every mode before the
-next prompt, in an order that rotates (``run_interleaved``): the two sides of
-a ratio ran seconds apart, so a slow spell of a shared machine hits both.
+next prompt (``run_interleaved``): the engine modes together, one step of
+each in turn (``Lockstep``), and HF assisted on the same kernels right
+before or after them, in turn. So the two sides of a ratio between engine
+modes ran within a second or two of each other, and against HF within the
+same half minute, and a slow spell of a shared machine hits both.
 With ``runs`` > 1 the rounds run one after the other; each ratio is computed
 within a round and the table shows the median over rounds with its spread
 (min-max).
@@ -37,17 +40,17 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.api import Engine, SamplingParams
 from specpair_runtime.engine.cpu_kernels import restore_default_linears, use_onednn_linears
-from specpair_runtime.engine.oneshot import run_request
+from specpair_runtime.engine.oneshot import Completion, RequestDriver, run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
 from specpair_runtime.engine.prompting import encode_prompt
@@ -318,6 +321,13 @@ def warm_up_prompt(prompts: list[list[int]]) -> list[int]:
     return [first, *prompts[0][1:]]
 
 
+class PromptRunner(Protocol):
+    """What ``run_interleaved`` runs: one or more modes, one prompt at a time."""
+
+    def run(self, prompt: list[int]) -> None:
+        """Decode ``prompt`` once in each mode and add the results to the modes' totals."""
+
+
 class ModeRunner:
     """One mode of a round: set up and warmed once, then timed one prompt at a time."""
 
@@ -332,6 +342,15 @@ class ModeRunner:
         self.result.outputs += one.outputs
 
 
+@dataclass
+class EngineMode:
+    """One engine configuration of a round, warmed up; ``Lockstep`` times its steps."""
+
+    result: ModeResult
+    engine: Engine
+    params: SamplingParams
+
+
 def engine_mode(
     pair: LoadedPair,
     mode: str,
@@ -340,33 +359,77 @@ def engine_mode(
     settings: BenchSettings,
     *,
     prefix_reuse: bool = True,
-) -> ModeRunner:
+) -> EngineMode:
     """A fresh engine for one configuration (None: target-only), warmed up, decoding greedily."""
     # KV storage for one request at a time (the default sizes a serving batch).
     length = max(len(p) for p in prompts) + settings.max_new_tokens
     options = EngineOptions(max_slots=1, max_length=length, prefix_reuse=prefix_reuse)
     engine = pair.engine(speculate=knobs is not None, knobs=knobs, options=options)
-    params = SamplingParams(max_new_tokens=settings.max_new_tokens)
     run_request(engine, warm_up_prompt(prompts), SamplingParams(max_new_tokens=2))  # untimed
-
-    def decode(prompt: list[int]) -> ModeResult:
-        started = time.perf_counter()
-        completion = run_request(engine, prompt, params)
-        seconds = time.perf_counter() - started
-        stats = completion.stats
-        return ModeResult(
-            mode,
-            None,
-            tokens=len(completion.token_ids),
-            seconds=seconds,
-            drafted=stats.drafted_tokens,
-            accepted=stats.accepted_tokens,
-            target_passes=stats.target_passes,
-            outputs=[completion.token_ids],
-        )
-
     depth = knobs.max_depth if knobs is not None else None
-    return ModeRunner(ModeResult(mode, depth), decode)
+    params = SamplingParams(max_new_tokens=settings.max_new_tokens)
+    return EngineMode(ModeResult(mode, depth), engine, params)
+
+
+class Lockstep:
+    """Engine modes decoding one prompt together, one step of each in turn.
+
+    Each engine gets the prompt, then every tick runs one step of every engine
+    whose request is unfinished, in an order that rotates by one each tick, and
+    each mode's time is the sum of its own steps. The two sides of a ratio
+    between engine modes so ran within one tick of each other (a second or
+    two), where a prompt at a time left them up to half a minute apart; the
+    machine's spells last seconds to minutes (docs/benchmarks.md). The models'
+    weights are shared and far larger than the CPU's caches, so a step costs
+    what it costs alone.
+    """
+
+    def __init__(
+        self,
+        modes: list[EngineMode],
+        *,
+        shift: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.modes = modes
+        self._ticks = shift
+        self._clock = clock
+
+    def run(self, prompt: list[int]) -> None:
+        seconds = [0.0] * len(self.modes)
+        drivers = []
+        for index, mode in enumerate(self.modes):
+            started = self._clock()
+            drivers.append(RequestDriver(mode.engine, prompt, mode.params))
+            seconds[index] += self._clock() - started
+        pending = list(range(len(self.modes)))
+        while pending:
+            first = self._ticks % len(pending)
+            self._ticks += 1
+            for index in pending[first:] + pending[:first]:
+                started = self._clock()
+                drivers[index].step()
+                seconds[index] += self._clock() - started
+            pending = [index for index in pending if not drivers[index].finished]
+        for mode, driver, spent in zip(self.modes, drivers, seconds, strict=True):
+            one = engine_result(mode.result.mode, driver.completion(), spent)
+            mode.result.add_counts(one)
+            mode.result.outputs += one.outputs
+
+
+def engine_result(mode: str, completion: Completion, seconds: float) -> ModeResult:
+    """One prompt's result of an engine mode."""
+    stats = completion.stats
+    return ModeResult(
+        mode,
+        None,
+        tokens=len(completion.token_ids),
+        seconds=seconds,
+        drafted=stats.drafted_tokens,
+        accepted=stats.accepted_tokens,
+        target_passes=stats.target_passes,
+        outputs=[completion.token_ids],
+    )
 
 
 def hf_mode(
@@ -380,17 +443,17 @@ def hf_mode(
     )
 
 
-def run_interleaved(runners: list[ModeRunner], prompts: list[list[int]], shift: int) -> None:
-    """Each prompt through every mode before the next prompt, in an order that rotates.
+def run_interleaved(runners: Sequence[PromptRunner], prompts: list[list[int]], shift: int) -> None:
+    """Each prompt through every runner before the next prompt, in an order that rotates.
 
     So the modes that a ratio compares ran seconds apart, not minutes: a shared
     machine's speed moves in spells (docs/benchmarks.md), and a spell then hits
     both sides of a ratio. The rotation (``shift`` + the prompt's index) gives
-    no mode a fixed place in the order.
+    no runner a fixed place in the order.
     """
     for index, prompt in enumerate(prompts):
         first = (shift + index) % len(runners)
-        for runner in runners[first:] + runners[:first]:
+        for runner in [*runners[first:], *runners[:first]]:
             runner.run(prompt)
 
 
@@ -419,24 +482,30 @@ def _one_round(
         for loaded in (pair.target, pair.draft):
             if loaded is not None and loaded.device.type == "cpu":
                 use_onednn_linears(loaded.model, keep_plain=True)
-    runners = [engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
+    engines = [engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
         name = f"{FIXED_DEPTH_PREFIX}{depth}"
-        runners.append(engine_mode(pair, name, knobs, prompts, settings))
+        engines.append(engine_mode(pair, name, knobs, prompts, settings))
     if settings.adaptive:
         default = SpeculationKnobs()
         name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})"
-        runners.append(engine_mode(pair, name, default, prompts, settings))
-        runners.append(
+        engines.append(engine_mode(pair, name, default, prompts, settings))
+        engines.append(
             engine_mode(
                 pair, name + NO_REUSE_SUFFIX, default, prompts, settings, prefix_reuse=False
             )
         )
+    # The engine modes in lockstep, and HF on the same kernels before or after them.
+    runners: list[PromptRunner] = [Lockstep(engines, shift=shift)]
+    hf_same = None
     if settings.hf_assisted and on_cpu and linears_patched(pair.target.model):
-        runners.append(hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
+        hf_same = hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN)
+        runners.append(hf_same)
     run_interleaved(runners, timed, shift)
-    modes += [runner.result for runner in runners]
+    modes += [mode.result for mode in engines]
+    if hf_same is not None:
+        modes.append(hf_same.result)
     for mode in modes:
         log.info("%s: %.2f tokens/s", mode.mode, mode.tokens_per_second)
     return modes

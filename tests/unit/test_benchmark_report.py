@@ -1,18 +1,30 @@
-"""The engine benchmark: modes interleaved prompt by prompt; the report compares within rounds."""
+"""The engine benchmark: modes interleaved prompt by prompt, engine modes in lockstep;
+the report compares within rounds."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import pytest
+from tools.tiny_models import as_loaded, build_pair
 
 from specpair_runtime.benchmark import (
     TARGET_ONLY,
     BenchResult,
     BenchSettings,
+    EngineMode,
+    Lockstep,
     ModeResult,
     ModeRunner,
     format_table,
     run_interleaved,
 )
+from specpair_runtime.config import SpeculationKnobs
+from specpair_runtime.engine.api import SamplingParams, StepEvent
+from specpair_runtime.engine.oneshot import run_request
+from specpair_runtime.engine.options import EngineOptions
+from specpair_runtime.engine.speculative import SpeculativeEngine
 
 DEFAULT = "specpair default (adaptive<=4)"
 
@@ -78,3 +90,70 @@ def test_each_prompt_goes_through_every_mode_before_the_next_in_a_rotating_order
     assert (totals.tokens, totals.seconds, totals.target_passes) == (8, 2.0, 4)
     assert totals.outputs == [[10], [11], [12], [13]]  # each mode keeps the prompts' order
     assert totals.drafted == 0  # an engine mode's counts add up from zero
+
+
+def _tiny_modes(steps: list[str]) -> tuple[list[EngineMode], Callable[[], list[EngineMode]]]:
+    """Target-only, k=1 and k=3 engines over one tiny pair; each step is logged in ``steps``.
+
+    Returns the logged modes and a factory of fresh twins (no logging) for reference runs.
+    """
+    pair = build_pair("llama", seed=0)
+    target = as_loaded(pair.target, pair.tokenizer, "target")
+    draft = as_loaded(pair.draft, pair.tokenizer, "draft")
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    options = EngineOptions(max_slots=1, max_length=64)
+
+    def fresh() -> list[EngineMode]:
+        modes = [
+            EngineMode(
+                ModeResult(TARGET_ONLY, None),
+                SpeculativeEngine(target, None, SpeculationKnobs(), options=options),
+                params,
+            )
+        ]
+        for depth in (1, 3):
+            knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
+            engine = SpeculativeEngine(target, draft, knobs, options=options)
+            modes.append(EngineMode(ModeResult(f"specpair k={depth}", depth), engine, params))
+        return modes
+
+    logged = fresh()
+    for mode in logged:
+
+        def step(
+            original: Callable[[], list[StepEvent]] = mode.engine.step, name: str = mode.result.mode
+        ) -> list[StepEvent]:
+            steps.append(name)
+            return original()
+
+        mode.engine.step = step  # type: ignore[method-assign]
+    return logged, fresh
+
+
+def test_lockstep_runs_one_step_of_each_unfinished_engine_per_tick_in_a_rotating_order() -> None:
+    steps: list[str] = []
+    modes, fresh = _tiny_modes(steps)
+    ticks = itertools.count()
+    lockstep = Lockstep(modes, shift=1, clock=lambda: float(next(ticks)))
+    prompts = [[5, 6, 7, 8], [5, 6, 9]]
+    for prompt in prompts:
+        lockstep.run(prompt)
+
+    names = [mode.result.mode for mode in modes]
+    # Target-only needs a step per token (9); each speculative engine needs fewer.
+    taken = {name: steps.count(name) for name in names}
+    assert taken[TARGET_ONLY] == 18 and taken["specpair k=3"] < taken["specpair k=1"] < 18
+    # Nine tokens take every engine at least three steps (a prefill, then at most
+    # four tokens a step), so the first three ticks step all three: the first starts
+    # at the shift's engine, and each later tick one engine further on.
+    a, b, c = names
+    assert steps[:9] == [b, c, a, c, a, b, a, b, c]
+    # Each mode's time is its own steps (the fake clock adds 1 per step, 1 per admission).
+    for mode in modes:
+        assert mode.result.seconds == pytest.approx(taken[mode.result.mode] + len(prompts))
+    # Decoding in lockstep gives what each engine gives alone, in the prompts' order.
+    for logged, alone in zip(modes, fresh(), strict=True):
+        expected = [run_request(alone.engine, p, alone.params).token_ids for p in prompts]
+        assert logged.result.outputs == expected
+        assert logged.result.tokens == 18
+    assert modes[2].result.drafted and modes[2].result.target_passes < 18
