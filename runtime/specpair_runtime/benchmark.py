@@ -122,6 +122,11 @@ class ModeResult:
         if run.accepted is not None and self.accepted is not None:
             self.accepted += run.accepted
 
+    def add_prompt(self, one: ModeResult) -> None:
+        """Add one prompt's result of the same mode: its counts, and its output in order."""
+        self.add_counts(one)
+        self.outputs += one.outputs
+
     def absorb(self, run: ModeResult) -> None:
         """Add one round's result of the same mode."""
         self.add_counts(run)
@@ -337,9 +342,7 @@ class ModeRunner:
 
     def run(self, prompt: list[int]) -> None:
         """Decode ``prompt`` once and add its tokens, time and counts to ``result``."""
-        one = self._decode(prompt)
-        self.result.add_counts(one)
-        self.result.outputs += one.outputs
+        self.result.add_prompt(self._decode(prompt))
 
 
 @dataclass
@@ -412,9 +415,7 @@ class Lockstep:
                 seconds[index] += self._clock() - started
             pending = [index for index in pending if not drivers[index].finished]
         for mode, driver, spent in zip(self.modes, drivers, seconds, strict=True):
-            one = engine_result(mode.result.mode, driver.completion(), spent)
-            mode.result.add_counts(one)
-            mode.result.outputs += one.outputs
+            mode.result.add_prompt(engine_result(mode.result.mode, driver.completion(), spent))
 
 
 def engine_result(mode: str, completion: Completion, seconds: float) -> ModeResult:
