@@ -49,6 +49,41 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# Qwen2.5's tool format over the tiny markers: tools in the system turn, calls as
+# <tool_call> blocks of JSON, results as <tool_response> blocks in a user turn.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Call a function as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call><|end|>"
+    "{%- elif messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}<|end|>"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|{{ message.role }}|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'assistant' %}<|assistant|>"
+    "{%- if message.content %}{{ message.content }}{% endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function is defined %}{% set call = call.function %}{% endif %}"
+    '\n<tool_call>\n{"name": "{{ call.name }}", "arguments": {{ call.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|end|>"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<|user|>{% endif %}"
+    "\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|end|>{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# JSON and call text, so that the tool tokenizer learns their merges.
+TOOL_CORPUS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    '{"answer": "yes", "items": [1, 2, 3], "nested": {"ok": true, "value": null}}',
+    '{"name": "Ada", "age": 36, "tags": ["math", "engine"], "active": false}',
+)
+
 # Support-desk flavoured text so that BPE learns real merges (multi-character
 # tokens, leading spaces), and a few non-ASCII characters so that multi-byte
 # UTF-8 sequences split across tokens (incremental detokenization must cope).
@@ -109,6 +144,20 @@ def build_tokenizer(
     if chat_template is not None:
         wrapped.chat_template = chat_template
     return wrapped
+
+
+def build_tool_tokenizer(vocab_size: int = 420) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with Qwen2.5's tool format.
+
+    ``<tool_call>`` and ``</tool_call>`` are added tokens that are not special
+    (as in Qwen's tokenizer: decoded text keeps them), and the chat template
+    renders tools, assistant calls and tool results the way Qwen2.5's does.
+    """
+    tokenizer = build_tokenizer(
+        vocab_size, chat_template=TOOL_CHAT_TEMPLATE, extra_corpus=TOOL_CORPUS
+    )
+    tokenizer.add_tokens(list(TOOL_TOKENS))
+    return tokenizer
 
 
 def _peaky(model: PreTrainedModel, seed: int, logit_scale: float) -> PreTrainedModel:
