@@ -197,7 +197,7 @@ def test_a_tool_conversation_renders_through_the_template(
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     # The user's marker text stays text: the only <|system|> token is the template's.
-    system = tokenizer.convert_tokens_to_ids(["<|system|>"])[0]
+    system = tokenizer.get_vocab()["<|system|>"]
     assert ids.count(system) == 1
 
 
