@@ -132,13 +132,13 @@ def _first_problem(errors: list[dict[str, object]]) -> dict[str, object]:
 
 
 def _type_mismatch(errors: list[dict[str, object]], path: str, given: object) -> str:
-    """"expected an integer, got a string"; a union's branches joined by "or"."""
+    """Say "expected an integer, got a string"; a union's branches are joined by "or"."""
     expected: list[str] = []
     for error in errors:
         kind = str(error.get("type", ""))
-        if kind in EXPECTED_TYPES and field_path(_loc(error)) == path:
-            if EXPECTED_TYPES[kind] not in expected:
-                expected.append(EXPECTED_TYPES[kind])
+        same_field = kind in EXPECTED_TYPES and field_path(_loc(error)) == path
+        if same_field and EXPECTED_TYPES[kind] not in expected:
+            expected.append(EXPECTED_TYPES[kind])
     return f"expected {' or '.join(expected)}, got {json_kind(given)}"
 
 

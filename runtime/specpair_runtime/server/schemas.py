@@ -134,7 +134,9 @@ class _Request(RequestModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _needs_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    def _needs_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         # As OpenAI and vLLM refuse it: without a stream the options would do nothing.
         # ``stream`` is declared first, so it is validated already.
         if value is not None and not info.data.get("stream"):

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from specpair_runtime.engine.api import FinishReason, TokenLogprob
 from specpair_runtime.server.errors import ERROR_TYPES
 from specpair_runtime.server.generation import Generation, GenerationError
-from specpair_runtime.server.logprobs import CompletionLogprobsBuilder, TokenText, chat_logprobs
+from specpair_runtime.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
 from specpair_runtime.server.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -33,6 +33,7 @@ from specpair_runtime.server.schemas import (
     ErrorDetail,
     ErrorResponse,
 )
+from specpair_runtime.server.token_pieces import TokenPieces
 
 log = logging.getLogger("specpair.server")
 
@@ -76,16 +77,16 @@ def chat_chunks(
     created: int,
     model: str,
     include_usage: bool,
-    token_text: TokenText | None = None,
+    pieces: TokenPieces | None = None,
 ) -> AsyncIterator[str]:
-    """``token_text``: set when the request asked for logprobs (else every chunk says null)."""
+    """``pieces``: set when the request asked for logprobs (else every chunk says null)."""
 
     def build(
         text: str, entries: Sequence[TokenLogprob], finish: FinishReason | None, last: bool
     ) -> BaseModel:
         choice = ChatChunkChoice(
             delta=ChatDelta(content=text or None),
-            logprobs=chat_logprobs(entries, token_text) if token_text and entries else None,
+            logprobs=chat_logprobs(entries, pieces) if pieces and entries else None,
             finish_reason=finish,
         )
         return ChatCompletionChunk(
