@@ -11,7 +11,7 @@ import pytest
 from tools.control_plane import Binaries
 
 from specpair_runtime.server.metrics import ServerMetrics
-from tests.support.helm_chart import CHART, find, render
+from tests.support.helm_chart import CHART, ROOT, find, render
 
 # Grafana's template variables, replaced by values PromQL accepts before parsing.
 GRAFANA_VARIABLES = {
@@ -163,3 +163,22 @@ def test_dashboard_labels_exist_on_the_series() -> None:
             allowed = {"namespace", "pair", "pair_version", "reason", "position", "kind", "le"}
             allowed.add("finish_reason")
             assert labels <= allowed, query
+
+
+def vllm_mapping() -> dict[str, str]:
+    """docs/operations.md's table: specpair series name -> vLLM's, label sets dropped."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = re.findall(r"^\| `(specpair_[^`{]+)[^`]*` \| \w+ \| `(vllm:[^`{]+)[^`]*` \|", text, re.M)
+    return dict(rows)
+
+
+def test_the_vllm_mapping_is_one_to_one_over_exported_series() -> None:
+    mapping = vllm_mapping()
+    assert len(mapping) >= 15, mapping
+    assert len(set(mapping.values())) == len(mapping), "two specpair families map to one vLLM one"
+    exported = exported_series()
+    unknown = {name for name in mapping if not {name, f"{name}_bucket"} & exported}
+    assert not unknown, f"the table names series the runtime does not export: {unknown}"
+    # The families the issue names are in the table.
+    for name in ("requests_finished_total", "request_queue_time_seconds", "kv_slot_usage"):
+        assert f"specpair_{name}" in mapping
