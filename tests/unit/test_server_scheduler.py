@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from tools.tiny_models import as_loaded, build_pair
@@ -202,7 +203,7 @@ def test_usage_reports_the_reused_prompt_tokens(engine: SpeculativeEngine) -> No
         engine, KNOBS, ServerMetrics("p", "v"), MemoryProbe("cpu"), max_batch_size=2, max_waiting=1
     )
 
-    async def stream() -> list[dict[str, object]]:
+    async def stream() -> list[dict[str, Any]]:
         generation = Generation(
             sched, build_filter(None), "r", [5, 6, 7, 8], SamplingParams(max_new_tokens=2), 0
         )
