@@ -65,7 +65,7 @@ def test_offsets_count_characters_of_split_ones_once() -> None:
 
 
 def test_no_alternative_is_lost_to_a_shared_name() -> None:
-    # Two byte tokens that once both read U+FFFD now have names of their own.
+    # Two byte tokens, each U+FFFD when decoded alone, have names of their own.
     legacy = CompletionLogprobsBuilder(piece).build([TokenLogprob(4, -1.0, ((5, -0.5), (4, -1.0)))])
     assert legacy.top_logprobs == [{"bytes:\\xc3": -1.0, "bytes:\\xa9": -0.5}]
     # Two ids with the same bytes: the later one is keyed by its id (vLLM's spelling).

@@ -4,7 +4,7 @@ A private registry per server keeps tests that start several servers in one
 process independent of each other. Families that vLLM also exports keep a
 name that maps one-to-one to vLLM's (the table in docs/operations.md), so
 dashboards move across with a rename. No family publishes a ``_created``
-series: nothing reads it, and it doubled the series count of every counter.
+series: nothing reads it, and it would double the series of every counter.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ Every request model derives from ``RequestModel``: unknown fields are refused
 types are strict, as OpenAI's are: a string, a boolean or ``2.0`` where an
 integer belongs is refused, never coerced (``"3"`` to 3, ``true`` to 1); a
 number field takes any JSON number (``"temperature": 1``). ``null`` means
-the default, as for OpenAI's nullable parameters. They accept what the official SDKs and
-common frameworks send (``stream_options``, ``max_completion_tokens``,
-text content parts, the ``developer`` role, zero penalties, ``seed``,
-``user``, ``logprobs``) and vLLM's sampling extras (``top_k``,
-``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
+the default, as for OpenAI's nullable parameters. Requests accept what the
+official SDKs and common frameworks send (``stream_options``,
+``max_completion_tokens``, text content parts, the ``developer`` role, zero
+penalties, ``seed``, ``user``, ``logprobs``) and vLLM's sampling extras
+(``top_k``, ``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
 that serialize to the shapes OpenAI clients parse, plus one extra field,
 ``speculation``, with the request's own speculation stats.
 """
