@@ -1,18 +1,22 @@
 """OpenAI-compatible request and response bodies.
 
-Requests forbid unknown fields so that a typo gets a 4xx naming the field
-instead of being silently ignored. They accept what the official SDKs and
-common frameworks send (``stream_options``, ``max_completion_tokens``,
-text content parts, the ``developer`` role, zero penalties, ``seed``,
-``user``, ``logprobs``) and vLLM's sampling extras (``top_k``,
-``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
+Every request model derives from ``RequestModel``: unknown fields are refused
+(a typo gets a 400 naming the field instead of being silently ignored), and
+types are strict, as OpenAI's are: a string, a boolean or ``2.0`` where an
+integer belongs is refused, never coerced (``"3"`` to 3, ``true`` to 1); a
+number field takes any JSON number (``"temperature": 1``). ``null`` means
+the default, as for OpenAI's nullable parameters. Requests accept what the
+official SDKs and common frameworks send (``stream_options``,
+``max_completion_tokens``, text content parts, the ``developer`` role, zero
+penalties, ``seed``, ``user``, ``logprobs``) and vLLM's sampling extras
+(``top_k``, ``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
 that serialize to the shapes OpenAI clients parse, plus one extra field,
 ``speculation``, with the request's own speculation stats.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -55,24 +59,60 @@ def _zero_only(value: float) -> float:
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), AfterValidator(_zero_only)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def _one_only(value: int) -> int:
+    if value != 1:
+        raise ValueError("only 1 is supported: one choice per request")
+    return value
 
+
+def _false_only(value: bool) -> bool:
+    if value:
+        raise ValueError("only false is supported: the prompt is not echoed")
+    return value
+
+
+# Literal[1] / Literal[False] would take 1.0, true and 0 (Python equality): these do not.
+OnlyOne = Annotated[int, AfterValidator(_one_only)]
+OnlyFalse = Annotated[bool, AfterValidator(_false_only)]
+
+
+class RequestModel(BaseModel):
+    """The base of every request body and its parts: unknown fields and loose types refused.
+
+    ``strict``: no coercion between JSON types (pydantic's strict mode still
+    takes an integer for a float). A ``null`` for a field with a non-null
+    default reads as the default: OpenAI's parameters are nullable.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {
+            name
+            for name, field in cls.model_fields.items()
+            if not field.is_required() and field.default is not None
+        }
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = Field(
         default=False, description="Send a last chunk with usage and no choices before [DONE]."
     )
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Request(RequestModel):
     model: Text | None = Field(default=None, description="Ignored beyond a match check.")
     max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Text | list[Text] | None = None
-    n: Literal[1] = Field(default=1, description="Only one choice per request.")
+    n: OnlyOne = Field(default=1, description="Only one choice per request.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -91,6 +131,17 @@ class _Request(BaseModel):
     # Higher runs first; FIFO within one priority (see scheduler.RequestQueue).
     # Capped by the API key's priority class; None = the key's own priority.
     priority: int | None = Field(default=None, ge=-1000, le=1000)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # As OpenAI and vLLM refuse it: without a stream the options would do nothing.
+        # ``stream`` is declared first, so it is validated already.
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -122,7 +173,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: Text = Field(description="The prompt text.")
-    echo: Literal[False] = False
+    echo: OnlyFalse = False
     logprobs: int | None = Field(
         default=None,
         ge=0,
@@ -134,16 +185,12 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ContentPart(RequestModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ChatMessage(RequestModel):
     # "developer" is OpenAI's newer name for system instructions.
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[ContentPart]

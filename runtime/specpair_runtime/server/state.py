@@ -16,6 +16,7 @@ from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.readiness import Readiness
 from specpair_runtime.server.reload import ConfigWatcher
 from specpair_runtime.server.scheduler import Scheduler
+from specpair_runtime.server.token_pieces import TokenPieces
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ServerState:
     tokenizer: Any = None
     max_model_length: int = 0
     max_prompt_chars: int | None = None  # None until the tokenizer is known
+    token_pieces: TokenPieces | None = None  # each token's bytes and name, for logprobs
     watcher: ConfigWatcher | None = None
     key_watcher: KeyFileWatcher | None = None
     loader: threading.Thread | None = None

@@ -3,8 +3,13 @@
 sse-starlette does the framing and closes the generator when the client
 goes away, which aborts the generation (see ``Generation.chunks``). A failed
 generation ends with an OpenAI-shaped error chunk, then ``[DONE]``, so
-clients always see why a stream ended. With ``stream_options.include_usage``
-a last chunk with empty ``choices`` carries the usage (as OpenAI does).
+clients always see why a stream ended.
+
+Usage goes out as OpenAI sends it: only with ``stream_options.include_usage``,
+once, in a last chunk with empty ``choices`` (every other chunk then says
+``"usage": null``); never on the ``finish_reason`` chunk, so a client that
+sums usage over the chunks counts it once. The closing chunk carries the
+extra ``speculation`` field.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pydantic import BaseModel
 from specpair_runtime.engine.api import FinishReason, TokenLogprob
 from specpair_runtime.server.errors import ERROR_TYPES
 from specpair_runtime.server.generation import Generation, GenerationError
-from specpair_runtime.server.logprobs import CompletionLogprobsBuilder, TokenText, chat_logprobs
+from specpair_runtime.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
 from specpair_runtime.server.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -28,6 +33,7 @@ from specpair_runtime.server.schemas import (
     ErrorDetail,
     ErrorResponse,
 )
+from specpair_runtime.server.token_pieces import TokenPieces
 
 log = logging.getLogger("specpair.server")
 
@@ -58,7 +64,6 @@ def completion_chunks(
             created=created,
             model=model,
             choices=[choice],
-            usage=generation.usage if last else None,
             speculation=generation.speculation if last else None,
         )
 
@@ -72,16 +77,16 @@ def chat_chunks(
     created: int,
     model: str,
     include_usage: bool,
-    token_text: TokenText | None = None,
+    pieces: TokenPieces | None = None,
 ) -> AsyncIterator[str]:
-    """``token_text``: set when the request asked for logprobs (else every chunk says null)."""
+    """``pieces``: set when the request asked for logprobs (else every chunk says null)."""
 
     def build(
         text: str, entries: Sequence[TokenLogprob], finish: FinishReason | None, last: bool
     ) -> BaseModel:
         choice = ChatChunkChoice(
             delta=ChatDelta(content=text or None),
-            logprobs=chat_logprobs(entries, token_text) if token_text and entries else None,
+            logprobs=chat_logprobs(entries, pieces) if pieces and entries else None,
             finish_reason=finish,
         )
         return ChatCompletionChunk(
@@ -89,7 +94,6 @@ def chat_chunks(
             created=created,
             model=model,
             choices=[choice],
-            usage=generation.usage if last else None,
             speculation=generation.speculation if last else None,
         )
 
@@ -107,12 +111,18 @@ def chat_chunks(
     return _events(generation, build, first, usage_only if include_usage else None)
 
 
-def _dump(chunk: BaseModel) -> str:
-    """JSON without absent optional fields, but with OpenAI's explicit nulls per choice."""
+def _dump(chunk: BaseModel, null_usage: bool) -> str:
+    """JSON without absent optional fields, but with OpenAI's explicit nulls.
+
+    ``null_usage``: the request asked for usage, so every chunk but the usage
+    chunk says ``"usage": null`` (as OpenAI's do).
+    """
     data = chunk.model_dump(exclude_none=True)
     for choice in data.get("choices", []):
         choice.setdefault("logprobs", None)
         choice.setdefault("finish_reason", None)
+    if null_usage:
+        data.setdefault("usage", None)
     return json.dumps(data, ensure_ascii=False)
 
 
@@ -123,22 +133,23 @@ async def _events(
     usage_only: BaseModel | None,
 ) -> AsyncIterator[str]:
     """``usage_only``: the empty-choices chunk to fill with the usage at the end, if asked."""
+    asked = usage_only is not None
     if first is not None:
-        yield _dump(first)
+        yield _dump(first, asked)
     try:
         async for chunk in generation.chunks():
             if chunk.finish_reason is None:
-                yield _dump(build(chunk.text, chunk.logprobs, None, False))
+                yield _dump(build(chunk.text, chunk.logprobs, None, False), asked)
                 continue
             # The step that finishes may carry text: send it, then the closing chunk
             # (with the logprobs of tokens that have no text, such as EOS).
             closing = chunk.logprobs
             if chunk.text:
-                yield _dump(build(chunk.text, chunk.logprobs, None, False))
+                yield _dump(build(chunk.text, chunk.logprobs, None, False), asked)
                 closing = ()
-            yield _dump(build("", closing, chunk.finish_reason, True))
+            yield _dump(build("", closing, chunk.finish_reason, True), asked)
             if usage_only is not None:
-                yield _dump(usage_only.model_copy(update={"usage": generation.usage}))
+                yield _dump(usage_only.model_copy(update={"usage": generation.usage}), False)
     except GenerationError as error:
         log.info("stream %s ended with error %s", generation.request_id, error.code)
         detail = ErrorDetail(
