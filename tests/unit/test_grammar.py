@@ -53,12 +53,12 @@ def test_a_schema_allows_exactly_its_documents(
     compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     good = encode(tokenizer, json.dumps({"answer": "no", "items": [1, 22]}))
     state = GrammarState(compiled, compiler.vocab_size)
-    state.commit(0, good)  # every token is allowed on the way
+    state.commit(good)  # every token is allowed on the way
     assert state.accepting
     assert allowed(state, 0, compiler.vocab_size) == {tokenizer.eos_token_id}
     other = GrammarState(compiled, compiler.vocab_size)
     with pytest.raises(GrammarViolation):
-        other.commit(0, encode(tokenizer, '{"answer": "maybe"'))
+        other.commit(encode(tokenizer, '{"answer": "maybe"'))
 
 
 def test_padding_ids_past_the_tokenizer_are_never_allowed(
@@ -83,7 +83,7 @@ def test_each_kind_accepts_a_match(
     compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerFast, spec: GrammarSpec, text: str
 ) -> None:
     state = GrammarState(compiler.compile(spec), compiler.vocab_size)
-    state.commit(0, encode(tokenizer, text))
+    state.commit(encode(tokenizer, text))
     assert state.accepting
 
 
@@ -164,7 +164,7 @@ def test_a_slow_compile_does_not_block_the_caller(tokenizer: PreTrainedTokenizer
 def test_rejected_proposals_never_advance_the_grammar(
     compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerFast
 ) -> None:
-    """Masks after propose + commit equal those of a state that saw only the committed tokens."""
+    """Masks after align + commit equal those of a state that saw only the committed tokens."""
     compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     vocab = compiler.vocab_size
     text = encode(tokenizer, '{"answer": "yes", "items": [7]}')
@@ -173,18 +173,21 @@ def test_rejected_proposals_never_advance_the_grammar(
     position = 0
     while position + 3 <= len(text):
         drafts = text[position : position + 3]
-        for j, token in enumerate(drafts):
-            assert speculative.propose(token), j
-        masks = speculative.masks(4)
+        # As the drafter proposes: one more tentative token per forward.
+        for j in range(4):
+            assert speculative.align(drafts[:j]) == j
+            speculative.mask(j)
+        masks = torch.stack([speculative.mask(j) for j in range(4)])
         # The verify masks are the masks of the plain state after each draft.
         for j in range(4):
             probe = GrammarState(compiled, vocab)
-            probe.commit(0, text[: position + j])
+            probe.commit(text[: position + j])
             assert torch.equal(masks[j], probe.mask(0)), j
         # One accepted draft, then a recovered token (the true next one).
-        speculative.commit(1, [drafts[0], drafts[1]])
-        plain.commit(0, drafts[:2])
+        speculative.commit([drafts[0], drafts[1]])
+        plain.commit(drafts[:2])
         position += 2
+        assert speculative.proposed == 0
         assert torch.equal(speculative.mask(0), plain.mask(0))
 
 
@@ -193,9 +196,11 @@ def test_a_refused_proposal_is_not_consumed(
 ) -> None:
     state = GrammarState(compiler.compile(GrammarSpec.choice(["yes"])), compiler.vocab_size)
     no = encode(tokenizer, "no")[0]
-    assert not state.propose(no)
+    assert state.align([no, no]) == 0
     assert state.proposed == 0
-    state.commit(0, encode(tokenizer, "yes"))
+    yes = encode(tokenizer, "yes")
+    assert state.align([*yes, no]) == len(yes)  # stops before the refused token
+    state.commit(yes)
     assert state.stopped and state.accepting
 
 
@@ -205,17 +210,28 @@ def test_a_mask_asked_out_of_order_is_recomputed(
     compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     text = encode(tokenizer, '{"answer": "no"')
     state = GrammarState(compiled, compiler.vocab_size)
-    for token in text[:3]:
-        state._matcher.consume_token(token)  # proposals without their masks
-        state._tokens.append(token)
-        state._proposed += 1
+    state._matcher.consume_tokens(text[:3])  # tentative tokens whose masks were never asked
+    state._tokens = list(text[:3])
     probe = GrammarState(compiled, compiler.vocab_size)
-    probe.commit(0, text[:1])
+    probe.commit(text[:1])
     assert torch.equal(state.mask(1), probe.mask(0))
     assert state.proposed == 3
-    state.commit(3, text[:3])
-    probe.commit(0, text[1:3])
+    state.commit(text[:3])
+    probe.commit(text[1:3])
     assert torch.equal(state.mask(0), probe.mask(0))
+
+
+def test_a_shorter_proposal_rolls_back(
+    compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    text = encode(tokenizer, '{"answer": "no"')
+    state = GrammarState(compiled, compiler.vocab_size)
+    first = state.mask(0).clone()
+    state.align(text[:4])
+    assert state.align(text[:1]) == 1
+    state.commit([])
+    assert torch.equal(state.mask(0), first)
 
 
 def test_end_of_generation_is_allowed_once_the_grammar_accepts(
@@ -223,6 +239,6 @@ def test_end_of_generation_is_allowed_once_the_grammar_accepts(
 ) -> None:
     state = GrammarState(compiler.compile(GrammarSpec.regex("a+")), compiler.vocab_size)
     assert tokenizer.eos_token_id not in allowed(state, 0, compiler.vocab_size)
-    state.commit(0, encode(tokenizer, "a"))
+    state.commit(encode(tokenizer, "a"))
     assert tokenizer.eos_token_id in allowed(state, 0, compiler.vocab_size)
-    state.commit(0, [tokenizer.eos_token_id])
+    state.commit([tokenizer.eos_token_id])

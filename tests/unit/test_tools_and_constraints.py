@@ -71,7 +71,7 @@ def accepts(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
     state = GrammarState(compiler.compile(spec), compiler.vocab_size)
     ids = compiler_tokens(compiler, text)
     try:
-        state.commit(0, ids)
+        state.commit(ids)
     except GrammarViolation:
         return False
     return state.accepting

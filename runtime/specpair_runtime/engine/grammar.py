@@ -133,10 +133,22 @@ def _from_json_schema(schema: dict[str, Any]) -> str:
 
 
 class CompiledGrammar:
-    """A checked grammar and its template matcher in the start state."""
+    """A checked grammar and its template matcher in the start state.
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher) -> None:
+    ``vocab_size`` and ``end_ids``: the compiler's (the logits' width, the
+    tokens that end a generation).
+    """
+
+    def __init__(
+        self,
+        spec: GrammarSpec,
+        template: llguidance.LLMatcher,
+        vocab_size: int,
+        end_ids: tuple[int, ...],
+    ) -> None:
         self.spec = spec
+        self.vocab_size = vocab_size
+        self.end_ids = end_ids
         self._template = template
 
     def new_matcher(self) -> llguidance.LLMatcher:
@@ -230,4 +242,4 @@ class GrammarCompiler:
             raise GrammarError(template.get_error())
         with self._lock:
             self.compiles += 1
-        return CompiledGrammar(spec, template)
+        return CompiledGrammar(spec, template, self.vocab_size, self.eos_ids)
