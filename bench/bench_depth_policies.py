@@ -369,7 +369,8 @@ def main(argv: list[str]) -> int:
     dirs = cached_pair_or_report()
     if dirs is None:
         return 2
-    from specpair_runtime.benchmark import DEFAULT_PROMPTS
+    from bench.engine_harness import DEFAULT_PROMPTS
+
     from specpair_runtime.config import recommended_draft_quantization
     from specpair_runtime.engine.prompting import encode_prompt
 

@@ -32,8 +32,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specpair_runtime.engine.fused_projections import fuse_projections
-from specpair_runtime.engine.loading import LoadedModel
+from specpair_runtime.engine.loading import CpuKernels, LoadedModel, prepare_model
 
 ModelKind = Literal["llama", "gpt2"]
 
@@ -391,9 +390,16 @@ def save_pair(
     return target_dir, draft_dir
 
 
-def as_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: str) -> LoadedModel:
-    """Wrap an in-memory tiny model like the loader does (CPU, float32, projections fused)."""
-    fuse_projections(model)
+def as_loaded(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    name: str,
+    *,
+    cpu_kernels: CpuKernels = "onednn",
+) -> LoadedModel:
+    """Wrap an in-memory tiny model like the loader does (CPU, float32, projections fused,
+    prepacked linears). ``cpu_kernels="default"`` keeps PyTorch's linears, as on CUDA."""
+    prepare_model(model, torch.device("cpu"), cpu_kernels=cpu_kernels)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

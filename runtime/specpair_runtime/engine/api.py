@@ -16,15 +16,39 @@ token, in vLLM's vocabulary).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from specpair_runtime.config import SpeculationKnobs
+
+if TYPE_CHECKING:
+    import torch
 
 # "error": this request alone failed inside the engine (e.g. non-finite
 # probabilities in its row); its batch-mates go on. `StepEvent.error` says why,
 # for the logs only: clients get a generic message.
 FinishReason = Literal["stop", "length", "content_filter", "abort", "error"]
+
+
+class LogitsProcessor(Protocol):
+    """One request's logits processing (``engine/logits_processors.py``); may keep state."""
+
+    def process(self, proposed: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """Processed logits [n, V] of n consecutive positions (the input may be changed).
+
+        Row ``i`` scores the token after the committed output plus
+        ``proposed[:i]``; ``len(proposed) >= n - 1``.
+        """
+        ...
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The target committed ``tokens`` after the ones committed before."""
+        ...
+
+
+# Builds one request's processor (processors keep per-request state).
+LogitsProcessorFactory = Callable[[], LogitsProcessor]
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,9 @@ class SamplingParams:
     # Log-probabilities of the committed tokens (``engine/logprobs.py``): None = off,
     # 0 = the chosen token's only, n = also the n most likely tokens at each position.
     logprobs: int | None = None
+    # Per-request logits processing (``engine/logits_processors.py``): each factory
+    # builds one processor for the request, applied to draft and target logits alike.
+    logits_processors: tuple[LogitsProcessorFactory, ...] = ()
 
     @property
     def greedy(self) -> bool:

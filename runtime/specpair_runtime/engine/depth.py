@@ -324,6 +324,24 @@ class CostModel:
 
 
 @dataclass(frozen=True)
+class StepOutcome:
+    """What one step did, as the depth controller learns from it.
+
+    ``pure``: no prompt work for either model (neither a target chunk nor a
+    draft catch-up), so its times are a decode step's. ``drafts``: (drafted,
+    accepted) of each row that drafted, at the depth it really drafted.
+    """
+
+    depth: int  # as planned (0: a target-only step)
+    reason: str | None  # why ``depth`` is 0
+    rows: int
+    pure: bool
+    drafts: list[tuple[int, int]]
+    draft_seconds: float
+    verify_seconds: float
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """The engine's decision for one step."""
 
@@ -419,6 +437,33 @@ class DepthController:
         if cost_cap < cap and self.speculation_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             return StepPlan(cap, None)  # re-measure the deeper positions
         return StepPlan(cost_cap, None)
+
+    def record(self, outcome: StepOutcome) -> None:
+        """Learn from a step: decode-step timings, acceptance per position, the floor."""
+        cost = self.cost
+        batch = outcome.rows
+        if outcome.pure and not outcome.drafts:
+            # A target-only step, whatever made it one: a probe, a fallback, or rows
+            # with one token left (at depth 0 no row drafts).
+            cost.record_verify(batch, 1, outcome.verify_seconds)
+        if outcome.depth == 0:
+            self.record_target_only_step(outcome.reason)
+            return
+        if not outcome.drafts:
+            return
+        depth = outcome.drafts[0][0]  # below the plan's where the confidence stop cut
+        if (
+            outcome.pure
+            and len(outcome.drafts) == batch
+            and all(n == depth for n, _ in outcome.drafts)
+        ):
+            cost.record_draft(batch, outcome.draft_seconds / depth)
+            cost.record_verify(batch, depth + 1, outcome.verify_seconds)
+        for drafted, accepted in outcome.drafts:
+            cost.record_acceptance(drafted, accepted)
+        self.record_speculation_step(
+            sum(n for n, _ in outcome.drafts), sum(a for _, a in outcome.drafts)
+        )
 
     def record_target_only_step(self, reason: str | None) -> None:
         if reason == "not_paying":

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specpair_runtime.engine.api import SamplingParams
+
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy. Dividing logits by
 # anything smaller risks float32 overflow (1e-38 turns every logit into inf),
 # and the distribution is one-hot to float32 precision long before that.
@@ -134,6 +136,20 @@ class SamplingTensors:
             needs_top_p=any(p < 1.0 for p in top_ps),
             max_top_k=max(top_ks, default=0),
         )
+
+    @staticmethod
+    def for_rows(
+        params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device
+    ) -> SamplingTensors:
+        """The parameters of ``positions[r]`` consecutive positions of each row ``r``."""
+        temps: list[float] = []
+        top_ks: list[int] = []
+        top_ps: list[float] = []
+        for p, count in zip(params, positions, strict=True):
+            temps += [p.temperature] * count
+            top_ks += [p.top_k] * count
+            top_ps += [p.top_p] * count
+        return SamplingTensors.build(temps, top_ks, top_ps, device)
 
     def select(self, index: torch.Tensor, host_index: Sequence[int]) -> SamplingTensors:
         """The parameters of some positions (``index`` and ``host_index`` name the same ones)."""

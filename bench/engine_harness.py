@@ -1,13 +1,16 @@
-"""``specpair-runtime bench``: target-only vs specpair vs transformers assisted generation.
+"""The engine benchmark's harness: target-only vs specpair vs transformers assisted generation.
+
+``specpair-runtime bench`` runs it from a checkout of the repo (``make bench``
+through ``bench/bench_engine.py``); the runtime image does not ship it.
 
 All modes run on the same loaded pair, the same prompts and in the same
 process, so the ratios compare like with like. Within a round every mode is
 set up and warmed first, then each prompt goes through every mode before the
 next prompt (``run_interleaved``): the engine modes together, one step of
-each in turn (``Lockstep``), and HF assisted on the same kernels right
-before or after them, in turn. So the two sides of a ratio between engine
-modes ran within a second or two of each other, and against HF within the
-same half minute, and a slow spell of a shared machine hits both.
+each in turn (``Lockstep``), and HF assisted (on both kernels) right before
+or after them, in turn. So the two sides of a ratio between engine modes ran
+within a second or two of each other, and against HF within the same half
+minute, and a slow spell of a shared machine hits both.
 With ``runs`` > 1 the rounds run one after the other; each ratio is computed
 within a round and the table shows the median over rounds with its spread
 (min-max).
@@ -15,8 +18,11 @@ Speed is measured, never asserted; greedy identity with target-only decoding
 is reported per mode.
 
 HF assisted generation runs twice per round: on transformers' stock CPU
-kernels (before the engine switches the linears to oneDNN) and on the same
-oneDNN kernels as specpair, so both baselines are shown side by side. Both
+kernels and on the same oneDNN kernels as specpair, so both baselines are
+shown side by side. The loader switched the linears to oneDNN and kept the
+plain weights (``keep_plain``); the stock baseline runs a twin of the models
+that shares every tensor and runs PyTorch's default kernels
+(``engine/cpu/onednn.default_kernel_copy``). Both
 run transformers' own generation loop and modeling code over the loaded
 models, whose q/k/v and gate/up projections the loader fused
 (``engine/fused_projections.py``): HF's forward runs each fused GEMM once, as
@@ -34,6 +40,7 @@ prompt starts with: the same shapes, and no prefix for the timed prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -49,7 +56,7 @@ import torch
 
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import Engine, SamplingParams
-from specpair_runtime.engine.cpu_kernels import restore_default_linears, use_onednn_linears
+from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.oneshot import Completion, RequestDriver, run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
@@ -463,26 +470,32 @@ def linears_patched(model: torch.nn.Module) -> bool:
     return any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
+def stock_kernels(pair: LoadedPair) -> LoadedPair:
+    """The pair on PyTorch's default kernels: a twin sharing every tensor, or the pair itself.
+
+    The loader switches CPU linears to oneDNN; the twin's linears run the
+    stock kernels over the plain weights that ``keep_plain`` kept.
+    """
+    if not linears_patched(pair.target.model):
+        return pair
+    from specpair_runtime.engine.cpu.onednn import default_kernel_copy
+
+    def twin(loaded: LoadedModel) -> LoadedModel:
+        return dataclasses.replace(loaded, model=default_kernel_copy(loaded.model))
+
+    draft = twin(pair.draft) if pair.draft is not None else None
+    return dataclasses.replace(pair, target=twin(pair.target), draft=draft)
+
+
 def _one_round(
-    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings, shift: int
+    pair: LoadedPair,
+    stock: LoadedPair,
+    prompts: list[list[int]],
+    settings: BenchSettings,
+    shift: int,
 ) -> list[ModeResult]:
-    """Every mode over every prompt once; the order keeps the kernels honest (module doc)."""
-    on_cpu = pair.target.device.type == "cpu"
+    """Every mode over every prompt once, each prompt through every mode in turn."""
     timed = [p for _ in range(settings.repeats) for p in prompts]
-    modes: list[ModeResult] = []
-    if settings.hf_assisted:
-        # HF on its stock kernels runs first, on its own: the engine's need the weights repacked.
-        for loaded in (pair.target, pair.draft):
-            if loaded is not None:
-                restore_default_linears(loaded.model)
-        stock = hf_mode(pair, prompts, settings, HF_ASSISTED)
-        for prompt in timed:
-            stock.run(prompt)
-        modes.append(stock.result)
-        # The engine's kernels, with the plain weights kept for the next round's baseline.
-        for loaded in (pair.target, pair.draft):
-            if loaded is not None and loaded.device.type == "cpu":
-                use_onednn_linears(loaded.model, keep_plain=True)
     engines = [engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
@@ -497,30 +510,34 @@ def _one_round(
                 pair, name + NO_REUSE_SUFFIX, default, prompts, settings, prefix_reuse=False
             )
         )
-    # The engine modes in lockstep, and HF on the same kernels before or after them.
+    # The engine modes in lockstep, and HF on either kernels before or after them.
     runners: list[PromptRunner] = [Lockstep(engines, shift=shift)]
-    hf_same = None
-    if settings.hf_assisted and on_cpu and linears_patched(pair.target.model):
-        hf_same = hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN)
-        runners.append(hf_same)
-    run_interleaved(runners, timed, shift)
-    modes += [mode.result for mode in engines]
-    if hf_same is not None:
-        modes.append(hf_same.result)
+    hf: list[ModeRunner] = []
+    if settings.hf_assisted:
+        hf.append(hf_mode(stock, prompts, settings, HF_ASSISTED))
+        if stock is not pair:  # the engine's kernels are not the stock ones
+            hf.append(hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
+    run_interleaved([*runners, *hf], timed, shift)
+    modes = [mode.result for mode in engines] + [runner.result for runner in hf]
     for mode in modes:
         log.info("%s: %.2f tokens/s", mode.mode, mode.tokens_per_second)
     return modes
 
 
 def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
-    """Run every mode on the same prompts, ``settings.runs`` rounds; identity vs target-only."""
+    """Run every mode on the same prompts, ``settings.runs`` rounds; identity vs target-only.
+
+    On the CPU the pair must keep its plain weights (``load_pair(keep_plain=True)``)
+    for HF's stock-kernel baseline.
+    """
     tokenizer = pair.target.tokenizer
     prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
     machine = machine_info(pair)
+    stock = stock_kernels(pair) if settings.hf_assisted else pair
     merged: dict[str, ModeResult] = {}
     for index in range(settings.runs):
         # The rotation goes on across rounds, so each mode leads a different prompt.
-        round_modes = _one_round(pair, prompts, settings, shift=index * len(prompts))
+        round_modes = _one_round(pair, stock, prompts, settings, shift=index * len(prompts))
         reference = next(m.outputs for m in round_modes if m.mode == TARGET_ONLY)
         for mode in round_modes:
             total = merged.setdefault(
