@@ -38,8 +38,9 @@ class NoRepeat:
 
     def process(self, proposed: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        first = len(proposed) - logits.shape[0] + 1  # the proposals row 0 follows
         for i in range(logits.shape[0]):
-            context = [*self.committed, *proposed[:i]]
+            context = [*self.committed, *proposed[: first + i]]
             self.contexts.append(tuple(context))
             logits[i, self.banned] = float("-inf")
             if context:

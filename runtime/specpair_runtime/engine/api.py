@@ -37,8 +37,11 @@ class LogitsProcessor(Protocol):
     def process(self, proposed: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Processed logits [n, V] of n consecutive positions (the input may be changed).
 
-        Row ``i`` scores the token after the committed output plus
-        ``proposed[:i]``; ``len(proposed) >= n - 1``.
+        The last row scores the token after the committed output plus all of
+        ``proposed``, so row ``i`` follows ``proposed[: len(proposed) - n + 1 + i]``
+        (``len(proposed) >= n - 1``): a verify of k drafts passes them with
+        ``n = k + 1`` (row ``i`` follows ``proposed[:i]``); draft forward ``j``
+        passes the row's ``j`` drafts so far with ``n = 1``.
         """
         ...
 

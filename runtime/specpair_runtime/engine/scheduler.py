@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 
 from specpair_runtime.engine.budget import StepBudget, chunk_size, prefill_order
 from specpair_runtime.engine.options import EngineOptions
-from specpair_runtime.engine.prefix_reuse import Admission, SlotContents, plan_admission
+from specpair_runtime.engine.prefix_reuse import (
+    Admission,
+    SlotContents,
+    awaits_prefix,
+    plan_admission,
+)
 from specpair_runtime.engine.requests import Request
 
 
@@ -76,8 +81,13 @@ class Scheduler:
         self.retained = {slot: SlotContents(kept.tokens, 0) for slot, kept in self.retained.items()}
 
     def admit(self, draft_cached: bool, copy_prefix: PrefixCopy) -> None:
-        """Waiting requests take free slots, first come first served, past any reused prefix."""
+        """Waiting requests take free slots, first come first served, past any reused prefix.
+
+        A request whose prompt shares a prefix that a running request is still
+        reading waits for it, keeping its place (``prefix_reuse.awaits_prefix``).
+        """
         self.steps += 1
+        deferred: list[Request] = []  # waiting for a prefix another request is reading
         while self.waiting and self.free_slots:
             request = self.waiting.pop(0)
             if self.options.prefix_reuse:
@@ -85,6 +95,10 @@ class Scheduler:
                 admission = plan_admission(
                     request.prompt_ids, self.free_slots, self.retained, running
                 )
+                reading = [(r.prompt_ids, r.target_len) for r in self.running]
+                if awaits_prefix(request.prompt_ids, admission.reused, reading):
+                    deferred.append(request)
+                    continue
             else:
                 admission = Admission(self.free_slots[0], 0, 0)
             self.free_slots.remove(admission.slot)
@@ -97,6 +111,7 @@ class Scheduler:
             request.stats.cached_prompt_tokens = admission.reused
             request.admitted_step = self.steps
             self.running.append(request)
+        self.waiting[:0] = deferred
 
     @property
     def decoding_count(self) -> int:
