@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from specpair_runtime.engine import token_bitmask
+from specpair_runtime.engine.api import LogitsProcessorFactory
 from specpair_runtime.engine.grammar import CompiledGrammar
 from specpair_runtime.engine.grammar_state import GrammarState
 from specpair_runtime.engine.penalties import Penalties, PenaltyRow, apply_penalties
@@ -103,3 +104,16 @@ class PenaltyProcessor:
     def commit(self, tokens: Sequence[int]) -> None:
         if self.penalties.counts_output:
             self.output_ids += tokens
+
+
+def processor_factories(
+    grammar: CompiledGrammar | None, penalties: Penalties, prompt_ids: Sequence[int]
+) -> tuple[LogitsProcessorFactory, ...]:
+    """A request's ``SamplingParams.logits_processors``: penalties first, the grammar last."""
+    factories: list[LogitsProcessorFactory] = []
+    if penalties.active:
+        prompt = tuple(prompt_ids)
+        factories.append(lambda: PenaltyProcessor(penalties, prompt))
+    if grammar is not None:
+        factories.append(lambda: GrammarProcessor(grammar))
+    return tuple(factories)
