@@ -112,9 +112,9 @@ def test_positions_after_drafts_need_the_drafts() -> None:
 @pytest.mark.parametrize(
     ("penalties", "message"),
     [
-        (Penalties.of(presence=2.5), "presence_penalty must be in"),
-        (Penalties.of(frequency=float("nan")), "frequency_penalty must be in"),
-        (Penalties.of(repetition=0.0), "repetition_penalty must be > 0"),
+        (Penalties.of(presence=2.5), "presence_penalty: must be in"),
+        (Penalties.of(frequency=float("nan")), "frequency_penalty: must be in"),
+        (Penalties.of(repetition=0.0), "repetition_penalty: must be > 0"),
         (Penalties.of(logit_bias={VOCAB: 1.0}), "token id 12 is outside"),
         (Penalties.of(logit_bias={1: 101.0}), r"bias of token 1 must be in \[-100, 100\]"),
     ],

@@ -34,6 +34,15 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias value
+BAN_BIAS = -MAX_LOGIT_BIAS  # OpenAI's "ban": the token is never sampled in practice
+
+
+class PenaltyError(ValueError):
+    """A penalty or bias out of range; ``field`` names the request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -64,22 +73,25 @@ class Penalties:
         return bool(self.presence or self.frequency or self.repetition != 1.0)
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise PenaltyError naming the first bad field."""
         for name, value in (
             ("presence_penalty", self.presence),
             ("frequency_penalty", self.frequency),
         ):
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise PenaltyError(name, f"must be in [-2, 2], got {value}")
         if not (math.isfinite(self.repetition) and self.repetition > 0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition}")
+            raise PenaltyError("repetition_penalty", f"must be > 0, got {self.repetition}")
         for token, bias in self.logit_bias:
             if not 0 <= token < vocab_size:
-                raise ValueError(f"logit_bias: token id {token} is outside [0, {vocab_size})")
+                raise PenaltyError(
+                    "logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+                )
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(
-                    f"logit_bias: the bias of token {token} must be in "
-                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                raise PenaltyError(
+                    "logit_bias",
+                    f"the bias of token {token} must be in "
+                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
                 )
 
 

@@ -1,13 +1,18 @@
-"""From a validated request body to a queued generation, the cheap checks first.
+"""From a validated request body to queued generations, the cheap checks first.
 
 In order: the server is ready and its queue has room, the model matches,
-the API key allows the priority, the prompt fits (by characters before the
-tokenizer runs, then by tokens), and the sampling parameters are built.
-Each refusal is an ``APIError`` that names the field.
+the API key allows the priority, the prompts fit (by characters before the
+tokenizer runs, then by tokens), the output constraint compiles (on a
+worker thread, cached per grammar: ``engine/grammar.py``), the penalties
+are in range, and the sampling parameters are built: one generation per
+prompt and choice (``choices.py``). Each refusal is an ``APIError`` that
+names the field.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -18,32 +23,62 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.constraint_processors import processor_factories
+from specpair_runtime.engine.grammar import CompiledGrammar, GrammarError
+from specpair_runtime.engine.penalties import BAN_BIAS, Penalties, PenaltyError
+from specpair_runtime.server.chat_render import TemplateMessage, encode_conversation
+from specpair_runtime.server.choices import Choice, abort_all
 from specpair_runtime.server.errors import APIError
 from specpair_runtime.server.gate import caller_of
 from specpair_runtime.server.generation import Generation
-from specpair_runtime.server.prompts import (
-    encode_chat,
-    encode_text,
-    longest_token_chars,
-    max_prompt_chars,
+from specpair_runtime.server.prompt_inputs import (
+    PromptInput,
+    PromptShapeError,
+    choice_index,
+    echo_text,
+    prompt_inputs,
+    sample_seed,
 )
+from specpair_runtime.server.prompts import encode_text, longest_token_chars, max_prompt_chars
 from specpair_runtime.server.queueing import QueueFull
 from specpair_runtime.server.scheduler import Scheduler
 from specpair_runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 from specpair_runtime.server.state import ServerState
+from specpair_runtime.server.structured import ConstraintError, output_constraint
 from specpair_runtime.server.token_pieces import TokenPieces, token_pieces
+from specpair_runtime.server.tools import (
+    NO_TOOLS,
+    ToolError,
+    ToolPlan,
+    added_token_texts,
+    plan_tools,
+    refuse_special_text,
+    template_tool_calls,
+)
 
 RequestBody = CompletionRequest | ChatCompletionRequest
+# Choices of one request (n times its prompts): each is an engine request.
+MAX_TOTAL_CHOICES = 64
+# A grammar that takes longer than this to compile gets a 400 (llguidance bounds its
+# work with fuel limits; this bounds the wait whatever the cause).
+COMPILE_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    prompt: PromptInput  # where errors point, and what ``echo`` repeats
+    ids: list[int]
 
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request the scheduler has queued."""
+    """A request whose choices the scheduler has queued."""
 
-    generation: Generation
+    choices: list[Choice]
     request_id: str
     created: int
-    params: SamplingParams
+    params: SamplingParams  # the first choice's (they differ only in their seeds)
+    tools: ToolPlan = NO_TOOLS
 
 
 @dataclass(frozen=True)
@@ -126,26 +161,116 @@ def _too_long(state: ServerState, chars: int, field: str) -> APIError:
     )
 
 
-def tokenize_prompt(state: ServerState, text: str) -> list[int]:
-    """On a worker thread: the cheap length bound first, then the tokenizer."""
-    if len(text) > _prompt_chars_limit(state):
-        raise _too_long(state, len(text), "prompt")
-    return encode_text(state.tokenizer, text)
+def tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[TokenizedPrompt]:
+    """On a worker thread: each prompt, the cheap length bound before the tokenizer."""
+    try:
+        inputs = prompt_inputs(body.prompt, state.vocab_size or len(state.tokenizer))
+    except PromptShapeError as error:
+        raise APIError(400, str(error), param=error.field) from None
+    prompts = []
+    for item in inputs:
+        if item.token_ids is not None:
+            prompts.append(TokenizedPrompt(item, list(item.token_ids)))
+            continue
+        assert item.text is not None
+        if len(item.text) > _prompt_chars_limit(state):
+            raise _too_long(state, len(item.text), item.field)
+        prompts.append(TokenizedPrompt(item, encode_text(state.tokenizer, item.text)))
+    return prompts
 
 
-def tokenize_chat(state: ServerState, messages: list[tuple[str, str]]) -> list[int]:
+def _template_messages(state: ServerState, body: ChatCompletionRequest) -> list[TemplateMessage]:
+    specials = added_token_texts(state.tokenizer)
+    messages = []
+    for index, message in enumerate(body.messages):
+        calls: list[dict[str, object]] = []
+        if message.tool_calls:
+            path = f"messages[{index}].tool_calls"
+            calls = template_tool_calls(message.tool_calls, path)
+            refuse_special_text(calls, path, specials)
+        messages.append(
+            TemplateMessage(
+                message.template_role,
+                message.text if message.content is not None else None,
+                calls,
+                message.tool_call_id,
+                message.name,
+            )
+        )
+    return messages
+
+
+def tokenize_chat(
+    state: ServerState, body: ChatCompletionRequest, tools: ToolPlan
+) -> list[TokenizedPrompt]:
     if not getattr(state.tokenizer, "chat_template", None):
         raise APIError(400, "messages: the model has no chat template", param="messages")
-    chars = sum(len(text) for _, text in messages)
+    chars = sum(len(m.text) for m in body.messages)
     if chars > _prompt_chars_limit(state):
         raise _too_long(state, chars, "messages")
     try:
-        return encode_chat(state.tokenizer, messages)
+        messages = _template_messages(state, body)
+        ids = encode_conversation(state.tokenizer, messages, tools.render)
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.field) from None
     except TemplateError as error:
         # The template's own words (e.g. "roles must alternate"), not ours: safe to pass on.
         raise APIError(
             400, f"messages: the chat template refused them: {error}", param="messages"
         ) from None
+    return [TokenizedPrompt(PromptInput("messages"), ids)]
+
+
+def tool_plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
+    """How the request's tools are served; a 400 naming the field when they cannot be."""
+    try:
+        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tokenizer)
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.field) from None
+
+
+async def compiled_constraint(
+    state: ServerState, body: RequestBody, tools: ToolPlan
+) -> CompiledGrammar | None:
+    """The request's grammar, compiled off the event loop and the engine thread (or cached)."""
+    try:
+        field, spec = output_constraint(
+            body.response_format, body.structured_outputs, body.guided(), tools
+        )
+    except (ConstraintError, ToolError) as error:
+        raise APIError(400, str(error), param=error.field) from None
+    if spec is None or field is None:
+        return None
+    if state.grammars is None:
+        raise APIError(503, "not ready: the grammar compiler is not built yet", code="not_ready")
+    future = state.grammars.compile_async(spec)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), COMPILE_TIMEOUT_SECONDS)
+    except GrammarError as error:
+        raise APIError(
+            400, f"{field}: cannot be compiled: {error}", param=field, code="invalid_grammar"
+        ) from None
+    except TimeoutError:
+        raise APIError(
+            400,
+            f"{field}: did not compile within {COMPILE_TIMEOUT_SECONDS:g} seconds",
+            param=field,
+            code="invalid_grammar",
+        ) from None
+
+
+def penalties_of(state: ServerState, body: RequestBody, tools: ToolPlan) -> Penalties:
+    bias = body.bias_by_token()
+    for token in tools.banned:  # tool_choice "none": the call tag is never sampled
+        bias.setdefault(token, BAN_BIAS)
+    penalties = Penalties.of(
+        body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias
+    )
+    try:
+        penalties.validate(state.vocab_size or len(state.tokenizer))
+    except PenaltyError as error:
+        raise APIError(400, str(error), param=error.field) from None
+    return penalties
 
 
 def _completion_room(state: ServerState, prompt_len: int, prompt_field: str) -> int:
@@ -164,8 +289,10 @@ def _completion_room(state: ServerState, prompt_len: int, prompt_field: str) -> 
     return limit - prompt_len
 
 
-def _max_tokens(state: ServerState, body: RequestBody, prompt_len: int, rule: PromptRule) -> int:
-    room = _completion_room(state, prompt_len, rule.field)
+def _max_tokens(
+    state: ServerState, body: RequestBody, prompt_len: int, rule: PromptRule, prompt_field: str
+) -> int:
+    room = _completion_room(state, prompt_len, prompt_field)
     max_tokens, field = body.token_limit()
     if max_tokens is None:
         default = rule.default_max_tokens
@@ -182,10 +309,17 @@ def _max_tokens(state: ServerState, body: RequestBody, prompt_len: int, rule: Pr
 
 
 def sampling(
-    state: ServerState, body: RequestBody, prompt_len: int, rule: PromptRule
+    state: ServerState,
+    body: RequestBody,
+    prompt_len: int,
+    rule: PromptRule,
+    prompt_field: str | None = None,
 ) -> SamplingParams:
-    """Check the lengths against the max model length and build the params."""
-    max_tokens = _max_tokens(state, body, prompt_len, rule)
+    """Check the lengths against the max model length and build the params.
+
+    ``prompt_field``: where a length error points (the rule's field by default).
+    """
+    max_tokens = _max_tokens(state, body, prompt_len, rule, prompt_field or rule.field)
     vocab = len(state.tokenizer)
     outside = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
     if outside:
@@ -212,20 +346,50 @@ async def admit(
     request: Request,
     body: RequestBody,
     rule: PromptRule,
-    tokenize: Callable[[], list[int]],
+    tokenize: Callable[[], list[TokenizedPrompt]],
+    tools: ToolPlan = NO_TOOLS,
 ) -> Admitted:
-    """Check, tokenize (on a worker thread) and queue the request; raises APIError."""
+    """Check, tokenize (on a worker thread), compile and queue every choice; raises APIError."""
     scheduler = serving(state)
     check_model(state, body.model)
     priority = priority_of(request, body.priority)
-    prompt_ids = await run_in_threadpool(tokenize)
-    params = sampling(state, body, len(prompt_ids), rule)
+    prompts = await run_in_threadpool(tokenize)
+    if len(prompts) * body.n > MAX_TOTAL_CHOICES:
+        raise APIError(
+            400,
+            f"n: {body.n} choices for each of {len(prompts)} prompts exceed the "
+            f"{MAX_TOTAL_CHOICES} choices one request may ask for",
+            param="n",
+        )
+    grammar = await compiled_constraint(state, body, tools)
+    penalties = penalties_of(state, body, tools)
+    echo = isinstance(body, CompletionRequest) and body.echo
     request_id = f"{rule.request_id_prefix}-{uuid.uuid4().hex}"
-    generation = Generation(
-        scheduler, state.output_filter, request_id, prompt_ids, params, priority
-    )
+    many = len(prompts) * body.n > 1
+    choices: list[Choice] = []
+    first: SamplingParams | None = None
     try:
-        generation.submit()
+        for p, prompt in enumerate(prompts):
+            base = sampling(state, body, len(prompt.ids), rule, prompt.prompt.field)
+            base = dataclasses.replace(
+                base, logits_processors=processor_factories(grammar, penalties, prompt.ids)
+            )
+            shown = echo_text(state.tokenizer, prompt.prompt) if echo else ""
+            for sample in range(body.n):
+                index = choice_index(p, sample, body.n)
+                params = dataclasses.replace(base, seed=sample_seed(base.seed, sample))
+                engine_id = f"{request_id}-{index}" if many else request_id
+                generation = Generation(
+                    scheduler, state.output_filter, engine_id, prompt.ids, params, priority
+                )
+                generation.submit()
+                choices.append(Choice(index, p, generation, shown))
+                first = first or params
     except QueueFull as error:
+        abort_all(choices)
         raise queue_full(error) from None
-    return Admitted(generation, request_id, int(time.time()), params)
+    except BaseException:
+        abort_all(choices)
+        raise
+    assert first is not None
+    return Admitted(choices, request_id, int(time.time()), first, tools)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from specpair_runtime.config import ConfigError
 from specpair_runtime.engine.device_plan import drop_draft, plan_on_device
 from specpair_runtime.engine.golden_check import run_golden
+from specpair_runtime.engine.grammar import GrammarCompiler
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.golden import load_golden
@@ -114,6 +115,9 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
         state.tokenizer = pair.target.tokenizer
         engine = pair.engine()
         warm_up_graphs(state.readiness, engine)
+        # Structured outputs: the tokenizer's index is built once (seconds for 150k tokens).
+        state.vocab_size = engine.target.vocab
+        state.grammars = GrammarCompiler(state.tokenizer, engine.target.vocab, engine.eos_ids)
         scheduler = Scheduler(
             engine=engine,
             knobs=config.speculation,
@@ -164,4 +168,6 @@ def stop_serving(state: ServerState) -> None:
         state.watcher.stop()
     if state.scheduler is not None:
         state.scheduler.stop()
+    if state.grammars is not None:
+        state.grammars.close()
     gc.unfreeze()  # a process that serves again (tests do) must not keep today's objects frozen

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specpair_runtime.config import RuntimeConfig
+from specpair_runtime.engine.grammar import GrammarCompiler
 from specpair_runtime.server.auth import KeyFileWatcher, KeyRing
 from specpair_runtime.server.filters import OutputFilter, build_filter
 from specpair_runtime.server.memory import MemoryProbe
@@ -35,6 +36,8 @@ class ServerState:
     max_model_length: int = 0
     max_prompt_chars: int | None = None  # None until the tokenizer is known
     token_pieces: TokenPieces | None = None  # each token's bytes and name, for logprobs
+    grammars: GrammarCompiler | None = None  # structured outputs, built with the engine
+    vocab_size: int = 0  # the target's logits width (token ids a request may name)
     watcher: ConfigWatcher | None = None
     key_watcher: KeyFileWatcher | None = None
     loader: threading.Thread | None = None

@@ -21,16 +21,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from specpair_runtime.engine.grammar import GrammarSpec, json_schema_for_lark
+from specpair_runtime.server.request_model import RequestModel
 from specpair_runtime.server.tools import FUNCTION_NAME, ToolError, ToolPlan
 
 MAX_CHOICES = 1024
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+class JsonSchemaFormat(RequestModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
 
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
@@ -38,9 +39,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -56,10 +55,8 @@ class ResponseFormat(BaseModel):
 Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(RequestModel):
     """vLLM's ``structured_outputs``: exactly one constraint."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -88,10 +85,8 @@ class StructuredOutputs(BaseModel):
         return self
 
 
-class GuidedFields(BaseModel):
+class GuidedFields(RequestModel):
     """vLLM's older top-level constraint fields."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

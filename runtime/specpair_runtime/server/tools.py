@@ -29,15 +29,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from specpair_runtime.engine.grammar import json_schema_for_lark
+from specpair_runtime.server.request_model import RequestModel
 from specpair_runtime.server.tool_calls import CLOSE_TAG, OPEN_TAG
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128
-BAN = -100.0  # OpenAI's strongest logit bias: the token is never sampled in practice
 
 
 class ToolError(ValueError):
@@ -48,9 +48,7 @@ class ToolError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class FunctionDefinition(RequestModel):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
@@ -61,22 +59,16 @@ class FunctionDefinition(BaseModel):
     )
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -84,17 +76,13 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class CallFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class CallFunction(RequestModel):
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
 
 
-class AssistantToolCall(BaseModel):
+class AssistantToolCall(RequestModel):
     """A call in an assistant turn of the conversation (and in a response)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str
     type: Literal["function"] = "function"
@@ -181,7 +169,7 @@ class ToolPlan:
     lark: str | None = None  # a grammar forcing calls (required / named)
     # auto: the rules of any calls, for a grammar that allows calls or an answer
     calls_rules: str | None = None
-    banned: tuple[int, ...] = ()  # tokens given the BAN bias (tool_choice none)
+    banned: tuple[int, ...] = ()  # tokens given a -100 bias (tool_choice none)
     parse: bool = False  # parse the output for calls
     parallel: bool = True
 
