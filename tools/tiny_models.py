@@ -382,9 +382,12 @@ def save_pair(
     kind: ModelKind = "llama",
     seed: int = 0,
     draft_noise: float = 0.08,
+    *,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> tuple[Path, Path]:
-    """Build a pair and save it as ``tmp_path/target`` and ``tmp_path/draft``."""
-    pair = build_pair(kind, seed, draft_noise)
+    """Build a pair (over ``tokenizer``, default ``build_tokenizer()``) and save it as
+    ``tmp_path/target`` and ``tmp_path/draft``."""
+    pair = build_pair(kind, seed, draft_noise, tokenizer=tokenizer)
     target_dir = save_model(pair.target, pair.tokenizer, tmp_path / "target")
     draft_dir = save_model(pair.draft, pair.tokenizer, tmp_path / "draft")
     return target_dir, draft_dir
