@@ -29,6 +29,13 @@ models, whose q/k/v and gate/up projections the loader fused
 the engine's own loop does, so the fusion speeds up both sides and the ratio
 shows only what the engine does differently.
 
+The structured-output rows decode the same prompts under one JSON schema
+(``STRUCTURED_SCHEMA``, through ``engine/grammar.py``): target-only and the
+default knobs, each under the grammar, so their ratio is speculation's gain
+where every verified position and every draft proposal is masked. Their
+mask cost is the grammar processors' host time (computing masks, applying
+them to logits) per target pass and per masked position.
+
 Within an engine mode the prompts run one after the other on one engine, so
 each reuses what the one before left in the KV slot (``engine/prefix_reuse.py``):
 with the chat template, the shared system prompt, as a server does for a
@@ -55,7 +62,9 @@ from typing import Any, Protocol
 import torch
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.engine.api import Engine, SamplingParams
+from specpair_runtime.engine.api import Engine, LogitsProcessor, SamplingParams
+from specpair_runtime.engine.constraint_processors import GrammarProcessor
+from specpair_runtime.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.oneshot import Completion, RequestDriver, run_request
 from specpair_runtime.engine.options import EngineOptions
@@ -78,6 +87,18 @@ HF_ASSISTED = "hf-assisted"
 HF_ASSISTED_ONEDNN = "hf-assisted (onednn)"
 DEFAULT_MODE = "specpair default"
 NO_REUSE_SUFFIX = ", no prefix reuse"
+JSON_SUFFIX = ", json schema"
+# The structured-output rows' schema: what a coding or support answer would fill in.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"enum": ["code", "order", "return", "other"]},
+        "answer": {"type": "string"},
+        "steps": {"type": "array", "items": {"type": "string"}},
+        "code": {"type": "string"},
+    },
+    "required": ["topic", "answer", "steps"],
+}
 FIXED_DEPTH_PREFIX = "specpair k="
 
 
@@ -91,6 +112,7 @@ class BenchSettings:
     hf_assisted: bool = True
     repeats: int = 1
     runs: int = 1  # rounds of all modes; ratios are medians over rounds
+    structured: bool = True  # the JSON-schema rows (target-only and default, constrained)
 
     @property
     def prompt_texts(self) -> list[str]:
@@ -111,6 +133,8 @@ class ModeResult:
     identical: bool = True  # token ids equal target-only's on every prompt
     outputs: list[list[int]] = field(default_factory=list)
     run_rates: list[float] = field(default_factory=list)  # tokens/s of each round
+    mask_seconds: float = 0.0  # grammar processors' host time (structured rows)
+    masked_positions: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -124,6 +148,8 @@ class ModeResult:
         self.tokens += run.tokens
         self.seconds += run.seconds
         self.target_passes += run.target_passes
+        self.mask_seconds += run.mask_seconds
+        self.masked_positions += run.masked_positions
         if run.drafted is not None and self.drafted is not None:
             self.drafted += run.drafted
         if run.accepted is not None and self.accepted is not None:
@@ -148,6 +174,24 @@ class ModeResult:
     @property
     def tokens_per_target_pass(self) -> float:
         return self.tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def mask_ms_per_pass(self) -> float | None:
+        """The grammar's host time per target pass (None without a grammar)."""
+        if not self.masked_positions or not self.target_passes:
+            return None
+        return self.mask_seconds / self.target_passes * 1e3
+
+    @property
+    def mask_us_per_position(self) -> float | None:
+        if not self.masked_positions:
+            return None
+        return self.mask_seconds / self.masked_positions * 1e6
+
+
+def baseline_of(mode: str) -> str:
+    """The target-only row a mode's speed compares with: the one under the same constraint."""
+    return TARGET_ONLY + JSON_SUFFIX if mode.endswith(JSON_SUFFIX) else TARGET_ONLY
 
 
 @dataclass
@@ -203,8 +247,10 @@ class BenchResult:
                     "target_passes": m.target_passes,
                     "tokens_per_target_pass": m.tokens_per_target_pass,
                     "tokens_per_second_per_round": m.run_rates,
-                    "vs_target_only": self.ratio(m, TARGET_ONLY),
-                    "vs_target_only_per_round": self.ratios(m, TARGET_ONLY),
+                    "vs_target_only": self.ratio(m, baseline_of(m.mode)),
+                    "vs_target_only_per_round": self.ratios(m, baseline_of(m.mode)),
+                    "mask_ms_per_target_pass": m.mask_ms_per_pass,
+                    "mask_us_per_position": m.mask_us_per_position,
                     "vs_hf_assisted": self.ratio(m, HF_ASSISTED),
                     "vs_hf_assisted_per_round": self.ratios(m, HF_ASSISTED),
                     "vs_hf_assisted_onednn": self.ratio(m, HF_ASSISTED_ONEDNN),
@@ -352,6 +398,25 @@ class ModeRunner:
         self.result.add_prompt(self._decode(prompt))
 
 
+class GrammarMeter:
+    """Builds each request's grammar processor and sums their mask costs."""
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self.made: list[GrammarProcessor] = []
+
+    def processor(self) -> LogitsProcessor:
+        self.made.append(GrammarProcessor(self.grammar))
+        return self.made[-1]
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, positions) of the processors built since the last call."""
+        seconds = sum(p.seconds for p in self.made)
+        positions = sum(p.positions for p in self.made)
+        self.made.clear()
+        return seconds, positions
+
+
 @dataclass
 class EngineMode:
     """One engine configuration of a round, warmed up; ``Lockstep`` times its steps."""
@@ -359,6 +424,7 @@ class EngineMode:
     result: ModeResult
     engine: Engine
     params: SamplingParams
+    meter: GrammarMeter | None = None  # the structured rows' grammar
 
 
 def engine_mode(
@@ -369,16 +435,25 @@ def engine_mode(
     settings: BenchSettings,
     *,
     prefix_reuse: bool = True,
+    grammar: CompiledGrammar | None = None,
 ) -> EngineMode:
-    """A fresh engine for one configuration (None: target-only), warmed up, decoding greedily."""
+    """A fresh engine for one configuration (None: target-only), warmed up, decoding greedily.
+
+    ``grammar``: every request decodes under it (the structured rows).
+    """
     # KV storage for one request at a time (the default sizes a serving batch).
     length = max(len(p) for p in prompts) + settings.max_new_tokens
     options = EngineOptions(max_slots=1, max_length=length, prefix_reuse=prefix_reuse)
     engine = pair.engine(speculate=knobs is not None, knobs=knobs, options=options)
-    run_request(engine, warm_up_prompt(prompts), SamplingParams(max_new_tokens=2))  # untimed
+    meter = GrammarMeter(grammar) if grammar is not None else None
+    processors = (meter.processor,) if meter is not None else ()
+    warm = SamplingParams(max_new_tokens=2, logits_processors=processors)
+    run_request(engine, warm_up_prompt(prompts), warm)  # untimed
+    if meter is not None:
+        meter.take()
     depth = knobs.max_depth if knobs is not None else None
-    params = SamplingParams(max_new_tokens=settings.max_new_tokens)
-    return EngineMode(ModeResult(mode, depth), engine, params)
+    params = SamplingParams(max_new_tokens=settings.max_new_tokens, logits_processors=processors)
+    return EngineMode(ModeResult(mode, depth), engine, params, meter)
 
 
 class Lockstep:
@@ -422,7 +497,10 @@ class Lockstep:
                 seconds[index] += self._clock() - started
             pending = [index for index in pending if not drivers[index].finished]
         for mode, driver, spent in zip(self.modes, drivers, seconds, strict=True):
-            mode.result.add_prompt(engine_result(mode.result.mode, driver.completion(), spent))
+            one = engine_result(mode.result.mode, driver.completion(), spent)
+            if mode.meter is not None:
+                one.mask_seconds, one.masked_positions = mode.meter.take()
+            mode.result.add_prompt(one)
 
 
 def engine_result(mode: str, completion: Completion, seconds: float) -> ModeResult:
@@ -487,12 +565,23 @@ def stock_kernels(pair: LoadedPair) -> LoadedPair:
     return dataclasses.replace(pair, target=twin(pair.target), draft=draft)
 
 
+def structured_grammar(pair: LoadedPair) -> CompiledGrammar:
+    """``STRUCTURED_SCHEMA`` compiled for the pair's tokenizer (untimed)."""
+    engine = pair.engine(speculate=False, options=EngineOptions(max_slots=1, max_length=16))
+    compiler = GrammarCompiler(pair.target.tokenizer, engine.target.vocab, engine.eos_ids)
+    try:
+        return compiler.compile(GrammarSpec.json_schema(STRUCTURED_SCHEMA))
+    finally:
+        compiler.close()
+
+
 def _one_round(
     pair: LoadedPair,
     stock: LoadedPair,
     prompts: list[list[int]],
     settings: BenchSettings,
     shift: int,
+    grammar: CompiledGrammar | None = None,
 ) -> list[ModeResult]:
     """Every mode over every prompt once, each prompt through every mode in turn."""
     timed = [p for _ in range(settings.repeats) for p in prompts]
@@ -510,6 +599,12 @@ def _one_round(
                 pair, name + NO_REUSE_SUFFIX, default, prompts, settings, prefix_reuse=False
             )
         )
+    if grammar is not None:
+        default = SpeculationKnobs()
+        name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})" + JSON_SUFFIX
+        target = TARGET_ONLY + JSON_SUFFIX
+        engines.append(engine_mode(pair, target, None, prompts, settings, grammar=grammar))
+        engines.append(engine_mode(pair, name, default, prompts, settings, grammar=grammar))
     # The engine modes in lockstep, and HF on either kernels before or after them.
     runners: list[PromptRunner] = [Lockstep(engines, shift=shift)]
     hf: list[ModeRunner] = []
@@ -534,11 +629,14 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
     prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
     machine = machine_info(pair)
     stock = stock_kernels(pair) if settings.hf_assisted else pair
+    grammar = structured_grammar(pair) if settings.structured else None
     merged: dict[str, ModeResult] = {}
     for index in range(settings.runs):
         # The rotation goes on across rounds, so each mode leads a different prompt.
-        round_modes = _one_round(pair, stock, prompts, settings, shift=index * len(prompts))
-        reference = next(m.outputs for m in round_modes if m.mode == TARGET_ONLY)
+        round_modes = _one_round(
+            pair, stock, prompts, settings, shift=index * len(prompts), grammar=grammar
+        )
+        references = {m.mode: m.outputs for m in round_modes}
         for mode in round_modes:
             total = merged.setdefault(
                 mode.mode,
@@ -547,8 +645,9 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
             if total.drafted is not None and not total.run_rates:
                 total.drafted = total.accepted = 0
             total.absorb(mode)
+            baseline = baseline_of(mode.mode)
             total.identical = total.identical and (
-                mode.mode == TARGET_ONLY or mode.outputs == reference
+                mode.mode == baseline or mode.outputs == references[baseline]
             )
             if not total.outputs:
                 total.outputs = mode.outputs
@@ -556,6 +655,7 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
         machine["hf_assisted_kernels"] = "stock transformers; onednn: the engine's kernels"
     order = [TARGET_ONLY]
     names = [n for n in merged if n not in (TARGET_ONLY, HF_ASSISTED, HF_ASSISTED_ONEDNN)]
+    names.sort(key=lambda n: n.endswith(JSON_SUFFIX))  # the structured rows last
     order += names + [n for n in (HF_ASSISTED, HF_ASSISTED_ONEDNN) if n in merged]
     return BenchResult(settings, [merged[n] for n in order], machine)
 
@@ -598,7 +698,7 @@ def format_table(result: BenchResult) -> str:
                 f"{m.tokens_per_second:.2f}",
                 _fmt(m.acceptance_rate, ".2f"),
                 f"{m.tokens_per_target_pass:.2f}",
-                _ratio_cell(result, m, TARGET_ONLY),
+                _ratio_cell(result, m, baseline_of(m.mode)),
                 _ratio_cell(result, m, HF_ASSISTED),
                 _ratio_cell(result, m, HF_ASSISTED_ONEDNN),
                 _ratio_cell(result, m, best) if best else "n/a",
@@ -617,7 +717,23 @@ def format_table(result: BenchResult) -> str:
         f"vs best k: against {best or 'no fixed depth'}, the fixed depth with the most tok/s",
         "",
     ]
+    lines += _structured_lines(result)
     return "\n".join(lines)
+
+
+def _structured_lines(result: BenchResult) -> list[str]:
+    """The structured rows' summary: the ratio under the grammar, acceptance, mask cost."""
+    rows = [m for m in result.modes if m.mode.endswith(JSON_SUFFIX) and m.mask_ms_per_pass]
+    if not rows:
+        return []
+    lines = ["", "json schema rows: vs target = against target-only under the same grammar"]
+    for m in rows:
+        lines.append(
+            f"  {m.mode}: {_ratio_cell(result, m, baseline_of(m.mode))}, acceptance "
+            f"{_fmt(m.acceptance_rate, '.2f')}, mask cost {_fmt(m.mask_ms_per_pass, '.2f')} ms "
+            f"per target pass ({_fmt(m.mask_us_per_position, '.0f')} us per masked position)"
+        )
+    return lines
 
 
 def plot(result: BenchResult, path: Path) -> None:

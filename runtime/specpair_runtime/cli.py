@@ -377,6 +377,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_assisted=not args.no_hf_assisted,
         repeats=args.repeats,
         runs=args.runs,
+        structured=not args.no_structured,
     )
     result = harness.run_bench(pair, settings)
     if args.json:
@@ -461,6 +462,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="skip the run with the default knobs (adaptive depth)",
     )
     bench.add_argument("--no-hf-assisted", action="store_true", help="skip HF assisted generation")
+    bench.add_argument(
+        "--no-structured",
+        action="store_true",
+        help="skip the JSON-schema rows (target-only and default under one grammar)",
+    )
     bench.add_argument("--repeats", type=positive_int, default=1, metavar="N")
     bench.add_argument(
         "--runs",
