@@ -15,6 +15,7 @@ from tools.tiny_models import as_loaded, build_pair
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.speculative import SpeculativeEngine
+from specpair_runtime.server.choices import Choice
 from specpair_runtime.server.filters import build_filter
 from specpair_runtime.server.generation import Generation
 from specpair_runtime.server.memory import MemoryProbe
@@ -210,7 +211,8 @@ def test_usage_reports_the_reused_prompt_tokens(engine: SpeculativeEngine) -> No
         sink = generation._submission.sink
         sink(Update(event=StepEvent("r", [9], "a", 0, 0, cached_prompt_tokens=3)))
         sink(Update(event=StepEvent("r", [10], "b", 0, 0, finished=True, finish_reason="length")))
-        chunks = [c async for c in completion_chunks(generation, "cmpl-r", 0, "tiny", True)]
+        choices = [Choice(0, 0, generation)]
+        chunks = [c async for c in completion_chunks(choices, "cmpl-r", 0, "tiny", True)]
         assert chunks[-1] == "[DONE]"
         return [json.loads(chunk) for chunk in chunks[:-1]]
 
