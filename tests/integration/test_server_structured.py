@@ -174,8 +174,9 @@ def test_a_tool_calling_loop(client: Any) -> None:
     if call.function.name == "get_weather":
         jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
     # The result goes back in a tool turn; the model answers in text.
+    # As agent loops do: the SDK's own message object goes back into the conversation.
     messages += [
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        choice.message,
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
     ]
     answer = client.chat.completions.create(
@@ -186,6 +187,22 @@ def test_a_tool_calling_loop(client: Any) -> None:
     assert final.message.tool_calls is None and final.message.content
     assert final.finish_reason in ("stop", "length")
     assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+class GetWeather(BaseModel):
+    city: Annotated[str, Field(max_length=12)]
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_the_sdks_parse_fills_a_pydantic_tools_arguments(client: Any) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=user("Weather in Oslo?"),
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+        temperature=0, max_completion_tokens=200,
+    )  # fmt: skip
+    (call,) = completion.choices[0].message.tool_calls or []
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
 def test_a_named_tool_streams_as_openai_streams_calls(client: Any) -> None:

@@ -58,7 +58,7 @@ def error_of(client: TestClient, path: str, body: object) -> tuple[int, dict[str
         ("/v1/completions", {"max_tokens": 3}, "prompt", "field required"),
         ("/v1/completions", {"prompt": "hi", "n": 17}, "n", "less than or equal to 16"),
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
-        ("/v1/completions", {"prompt": [[1], "x"]}, "prompt[0]", "expected"),
+        ("/v1/completions", {"prompt": [[1], "x"]}, "prompt[1]", "expected an array"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "not a token"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias.5", "100"),
         (

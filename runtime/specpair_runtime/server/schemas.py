@@ -20,7 +20,9 @@ from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -155,8 +157,32 @@ class _Request(RequestModel):
         return None
 
 
+def _prompt_shape(value: object) -> str:
+    """The prompt branch a raw value belongs to, named as pydantic names union branches
+    (``field_path`` leaves such names out of the error's field path)."""
+    if not isinstance(value, list) or not value:
+        return "str" if not isinstance(value, list) else "list[str]"
+    first = value[0]
+    if isinstance(first, list):
+        return "list[list[int]]"
+    if isinstance(first, int) and not isinstance(first, bool):
+        return "list[int]"
+    return "list[str]"
+
+
+# One branch is validated, chosen by the value's shape, so an error speaks of that
+# branch (a lone surrogate in a string prompt, not "expected an array").
+Prompt = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Tag("list[str]")]
+    | Annotated[list[int], Tag("list[int]")]
+    | Annotated[list[list[int]], Tag("list[list[int]]")],
+    Discriminator(_prompt_shape),
+]
+
+
 class CompletionRequest(_Request):
-    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
+    prompt: Prompt = Field(
         description="A prompt, a list of prompts, token ids, or a list of token id lists."
     )
     echo: bool = Field(default=False, description="Put the prompt before each completion.")
@@ -188,6 +214,8 @@ class ChatMessage(RequestModel):
     # An assistant turn's tool calls, and the call a tool turn answers.
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: Text | None = None
+    # OpenAI's field of an assistant turn that declined; taken so a reply can be sent back.
+    refusal: Text | None = None
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> ChatMessage:
