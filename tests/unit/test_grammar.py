@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -13,7 +14,12 @@ from tools.tiny_models import build_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from specpair_runtime.engine import token_bitmask
-from specpair_runtime.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from specpair_runtime.engine.grammar import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+)
 from specpair_runtime.engine.grammar_state import GrammarState, GrammarViolation
 
 SCHEMA = {
@@ -242,3 +248,16 @@ def test_end_of_generation_is_allowed_once_the_grammar_accepts(
     state.commit(encode(tokenizer, "a"))
     assert tokenizer.eos_token_id in allowed(state, 0, compiler.vocab_size)
     state.commit([tokenizer.eos_token_id])
+
+
+def test_a_cancelled_compile_is_started_again(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A compile cancelled before it ran (shutdown) does not stay pending for its spec."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        spec = GrammarSpec.regex("x+")
+        stale: Future[CompiledGrammar] = Future()
+        stale.cancel()
+        compiler._pending[spec] = stale
+        assert compiler.compile_async(spec).result(timeout=30).spec == spec
+    finally:
+        compiler.close()

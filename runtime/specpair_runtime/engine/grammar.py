@@ -203,7 +203,7 @@ class GrammarCompiler:
                 done.set_result(cached)
                 return done
             pending = self._pending.get(spec)
-            if pending is None:
+            if pending is None or pending.cancelled():
                 pending = self._pool.submit(self._compile_pending, spec)
                 self._pending[spec] = pending
             return pending

@@ -243,9 +243,11 @@ async def compiled_constraint(
         return None
     if state.grammars is None:
         raise APIError(503, "not ready: the grammar compiler is not built yet", code="not_ready")
-    future = state.grammars.compile_async(spec)
+    # Shielded: the compile is shared with every request for this spec, and a request
+    # that gives up (timeout, disconnect) must not cancel it for the others.
+    compiling = asyncio.shield(asyncio.wrap_future(state.grammars.compile_async(spec)))
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), COMPILE_TIMEOUT_SECONDS)
+        return await asyncio.wait_for(compiling, COMPILE_TIMEOUT_SECONDS)
     except GrammarError as error:
         raise APIError(
             400, f"{field}: cannot be compiled: {error}", param=field, code="invalid_grammar"
