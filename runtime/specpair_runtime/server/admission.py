@@ -242,7 +242,8 @@ async def compiled_constraint(
     if spec is None or field is None:
         return None
     if state.grammars is None:
-        raise APIError(503, "not ready: the grammar compiler is not built yet", code="not_ready")
+        reason = state.grammars_unavailable or "the grammar compiler is not built"
+        raise APIError(400, f"{field}: structured outputs are unavailable: {reason}", param=field)
     # Shielded: the compile is shared with every request for this spec, and a request
     # that gives up (timeout, disconnect) must not cancel it for the others.
     compiling = asyncio.shield(asyncio.wrap_future(state.grammars.compile_async(spec)))

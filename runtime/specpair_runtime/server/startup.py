@@ -115,9 +115,8 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
         state.tokenizer = pair.target.tokenizer
         engine = pair.engine()
         warm_up_graphs(state.readiness, engine)
-        # Structured outputs: the tokenizer's index is built once (seconds for 150k tokens).
         state.vocab_size = engine.target.vocab
-        state.grammars = GrammarCompiler(state.tokenizer, engine.target.vocab, engine.eos_ids)
+        build_grammar_compiler(state, engine)
         scheduler = Scheduler(
             engine=engine,
             knobs=config.speculation,
@@ -139,6 +138,17 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
     except Exception as error:
         log.exception("startup failed")
         state.readiness.set("failed", f"startup failed: {error}")
+
+
+def build_grammar_compiler(state: ServerState, engine: SpeculativeEngine) -> None:
+    """Structured outputs: llguidance's index of the tokenizer, built once (seconds for
+    150k tokens). A tokenizer it cannot read leaves the server serving everything else;
+    constrained requests then get 400 with the reason."""
+    try:
+        state.grammars = GrammarCompiler(state.tokenizer, engine.target.vocab, engine.eos_ids)
+    except Exception as error:  # llguidance's own failure on this tokenizer
+        state.grammars_unavailable = f"{type(error).__name__}: {error}"
+        log.warning("structured outputs unavailable: %s", state.grammars_unavailable)
 
 
 def freeze_long_lived_objects() -> None:

@@ -37,6 +37,7 @@ class ServerState:
     max_prompt_chars: int | None = None  # None until the tokenizer is known
     token_pieces: TokenPieces | None = None  # each token's bytes and name, for logprobs
     grammars: GrammarCompiler | None = None  # structured outputs, built with the engine
+    grammars_unavailable: str | None = None  # why the compiler could not be built
     vocab_size: int = 0  # the target's logits width (token ids a request may name)
     watcher: ConfigWatcher | None = None
     key_watcher: KeyFileWatcher | None = None
