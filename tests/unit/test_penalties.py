@@ -128,3 +128,12 @@ def test_logit_bias_is_sorted_and_hashable() -> None:
     p = Penalties.of(logit_bias={5: -1.0, 2: 3.0})
     assert p.logit_bias == ((2, 3.0), (5, -1.0))
     assert hash(p) == hash(Penalties.of(logit_bias={2: 3.0, 5: -1.0}))
+
+
+def test_bf16_logits_stay_bf16() -> None:
+    """CUDA's verify logits are bf16: the penalties compute in fp32 and write back."""
+    logits = torch.tensor([[2.0, -2.0, 1.0]], dtype=torch.bfloat16)
+    row = PenaltyRow(Penalties.of(repetition=2.0, logit_bias={2: 1.0}), 0, 1, [0], [1])
+    apply_penalties(logits, [row])
+    assert logits.dtype == torch.bfloat16
+    assert logits.float().tolist() == [[1.0, -4.0, 2.0]]

@@ -210,7 +210,7 @@ def _bias(
 def apply_penalties(
     logits: torch.Tensor, rows: Sequence[PenaltyRow], drafts: torch.Tensor | None = None
 ) -> None:
-    """In place on logits [N, V] (float32): bias, repetition, frequency, presence per row.
+    """In place on logits [N, V]: bias, repetition, frequency, presence per row (in float32).
 
     ``drafts`` [D]: the step's flat draft tokens on the logits' device, for
     positions that follow drafts. Rows without active penalties are skipped.
@@ -221,7 +221,7 @@ def apply_penalties(
     device, vocab = logits.device, logits.shape[-1]
     positions, owners = _position_rows(rows)
     index = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
-    selected = logits.index_select(0, index)
+    selected = logits.index_select(0, index).float()  # bf16 logits on CUDA: count in fp32
     bias = _bias(rows, owners, vocab, device)
     if bias is not None:
         selected += bias
@@ -235,4 +235,4 @@ def apply_penalties(
             scaled = torch.where(selected > 0, selected / repetition, selected * repetition)
             selected = torch.where(seen, scaled, selected)
         selected -= frequency * counts + presence * (counts > 0)
-    logits.index_copy_(0, index, selected)
+    logits.index_copy_(0, index, selected.to(logits.dtype))
