@@ -448,6 +448,9 @@ def build_parser() -> OneLineParser:
     bench.set_defaults(handler=cmd_bench, depth=4, fixed_depth=False, draft_confidence=None)
 
     add_serve_command(subparsers)
+    from specpair_runtime.sidecar import command as gate_command
+
+    gate_command.add_parser(subparsers)
     return parser
 
 
