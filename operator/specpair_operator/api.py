@@ -128,6 +128,8 @@ def _engine_context(engine: object) -> Iterator[None]:
         yield
     finally:
         _ENGINE.reset(token)
+
+
 TOLERATION_EXISTS_MESSAGE = "a toleration with operator Exists must not have a value"
 TOLERATION_EMPTY_KEY_MESSAGE = "a toleration without a key needs operator Exists"
 NEAR_TIE_INLINE_MESSAGE = (
@@ -774,6 +776,7 @@ class Scheduling(ContractModel):
                 raise ValueError(describe_validation_error(error)) from None
         return value
 
+
 # vLLM flags the operator sets from the pair itself; extraArgs must not repeat them.
 VLLM_OWNED_FLAGS = (
     "--model",
@@ -811,15 +814,6 @@ class VllmSpec(ContractModel):
             "build of vLLM must be named here."
         ),
     )
-    draft_tensor_parallel_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_GPUS,
-        description=(
-            "The draft's tensor-parallel size: 1 (a full copy of the draft on every GPU, "
-            "the default) or resources.gpus (sharded like the target); vLLM takes no other."
-        ),
-    )
     extra_args: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
         default_factory=list,
         max_length=MAX_EXTRA_ARGS,
@@ -841,7 +835,6 @@ class VllmSpec(ContractModel):
                     "engine vllm); change the pair's own field instead"
                 )
         return value
-
 
 
 class SpeculativePairSpec(ContractModel):
@@ -965,12 +958,6 @@ def vllm_problem(spec: SpeculativePairSpec) -> str | None:
             "vllm.image: with resources.gpus 0 name a CPU build of vLLM; the default "
             f"{DEFAULT_VLLM_IMAGE} is built for CUDA"
         )
-    draft_tp = vllm.draft_tensor_parallel_size
-    if draft_tp is not None and draft_tp not in (1, max(gpus, 1)):
-        return (
-            f"vllm.draftTensorParallelSize must be 1 or resources.gpus ({gpus}): vLLM "
-            "shards the draft like the target or keeps a full copy on every GPU"
-        )
     for role, model in (("target", spec.target), ("draft", spec.draft)):
         if model.gguf_file is not None or model.source.endswith(".gguf"):
             return (
@@ -1092,6 +1079,13 @@ class AcceptanceStatus(ContractModel):
     drift: bool = Field(description="Whether the rate is below baseline x (1 - tolerance).")
     speculation_off: list[SpeculationOffPod] = Field(
         default_factory=list, description="Ready pods with speculation off, and why."
+    )
+    per_position: list[float] | None = Field(
+        default=None,
+        description=(
+            "Accepted draft tokens at each draft position (position 0 first) per "
+            "speculation step in the interval: how deep drafts pay."
+        ),
     )
 
 

@@ -323,9 +323,7 @@ def _nodes(request: ParallelRequest) -> tuple[int, int, str | None]:
     return tp // per_node, per_node, None
 
 
-def plan_parallel(
-    target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest
-) -> Plan:
+def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest) -> Plan:
     """vLLM's layout of the pair: per-GPU memory, tensor parallelism, nodes.
 
     The plan's byte counts are per GPU. ``Colocated``: target and draft fit on

@@ -127,7 +127,7 @@ class Gate:
 
 def _handler(gate: Gate) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             if self.path == "/readyz":
                 status, body = gate.body()
             elif self.path == "/healthz":
