@@ -262,8 +262,13 @@ class Controller:
                         )
                         break
                     except Exception as error:  # the API may be briefly unreachable
-                        if kind in Watched.OPTIONAL and getattr(error, "status", None) == 404:
-                            found = []  # e.g. no LeaderWorkerSet CRD: nothing to list
+                        if kind in Watched.OPTIONAL and getattr(error, "status", None) in (
+                            403,
+                            404,
+                        ):
+                            # No LeaderWorkerSet CRD (or no grant for it): nothing to list.
+                            log.info(f"not listing {plural}: {getattr(error, 'reason', error)}")
+                            found = []
                             break
                         metrics.ERRORS.labels(kind=type(error).__name__).inc()
                         log.warning(f"listing {plural}: {error}; retrying in {delay:.0f} s")
