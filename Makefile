@@ -103,6 +103,10 @@ e2e-kind: ## kind cluster + images + Helm install + CPU sample + a completion (n
 bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair
 	$(PY) bench/bench_engine.py
 
+.PHONY: bench-engines
+bench-engines: models vllm-env ## specpair vs vLLM target-only vs vLLM speculating, real pair, same run
+	$(PY) bench/bench_engines.py
+
 # A GPU image whose python already has a CUDA build of torch and the project's
 # dependencies, and no network: `make gpu-check GPU_PYTHON=python3` runs with that
 # interpreter as it is. It installs and fetches nothing, so the real pair is used
