@@ -25,6 +25,7 @@ from specpair_operator import references as refs
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_pair
 from specpair_operator.builders import REVISION_LABEL, Manifest, PairRef
 from specpair_operator.drift import corrected, differences
+from specpair_operator.engines import lws
 from specpair_operator.engines.lws import deployment_view
 from specpair_operator.history import find, kept_revisions
 from specpair_operator.kube import Kube, Obj, object_path, pair_path, path_for, with_conflict_retry
@@ -413,15 +414,19 @@ def _roll_back(
     result: Result,
 ) -> bool:
     """Put the last good revision back; False when its ReplicaSet is gone."""
-    selector = {"app.kubernetes.io/instance": pair.name, builders.REVISION_LABEL: good}
-    template = good_template(store.select(REPLICA_SET, pair.namespace, selector), good)
-    if template is None:
-        return False
-    # The Deployment first: if the annotation is then lost, the next pass retries
-    # the failed revision and rolls back again, instead of holding a broken one.
-    dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
-    store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
-    WRITES.labels(kind="Deployment", verb="rollback").inc()
+    if dep.get("kind") == lws.KIND:
+        if not _roll_back_group(kube, store, pair, good):
+            return False
+    else:
+        selector = {"app.kubernetes.io/instance": pair.name, builders.REVISION_LABEL: good}
+        template = good_template(store.select(REPLICA_SET, pair.namespace, selector), good)
+        if template is None:
+            return False
+        # The Deployment first: if the annotation is then lost, the next pass retries
+        # the failed revision and rolls back again, instead of holding a broken one.
+        dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
+        store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
+        WRITES.labels(kind="Deployment", verb="rollback").inc()
     result.writes.append(f"rollback Deployment/{pair.name} to {good}")
     annotations = body["metadata"].get("annotations") or {}
     if annotations.get(FAILED_REVISION_ANNOTATION) != failed:
@@ -431,6 +436,19 @@ def _roll_back(
         body["metadata"] = updated["metadata"]
         result.writes.append("annotate failed revision")
     emit("Warning", "RolledBack", f"revision {failed} failed: {failure}; rolled back to {good}")
+    return True
+
+
+def _roll_back_group(kube: Kube, store: Store, pair: PairRef, good: str) -> bool:
+    """A LeaderWorkerSet's good group template back, from its revision's ConfigMap."""
+    group = store.peek(LEADER_WORKER_SET, pair.namespace, pair.name)
+    cm = store.peek(CONFIG_MAP, pair.namespace, builders.config_map_name(pair, good))
+    template = lws.good_group_template(cm)
+    if group is None or template is None:
+        return False
+    path = path_for(lws.API_VERSION, lws.PLURAL, pair.namespace, pair.name)
+    store.put(LEADER_WORKER_SET, kube.replace(path, lws.rolled_back_group(group, template, good)))
+    WRITES.labels(kind=lws.KIND, verb="rollback").inc()
     return True
 
 

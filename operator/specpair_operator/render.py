@@ -57,8 +57,9 @@ def children(
         if shape.multi_node
         else vllm_engine.deployment(pair, spec, revision, shape, speculate=loads)
     )
+    group = workload["spec"]["leaderWorkerTemplate"] if shape.multi_node else None
     return (
-        vllm_engine.config_map(pair, spec, revision, speculate=loads),
+        vllm_engine.config_map(pair, spec, revision, speculate=loads, group_template=group),
         vllm_engine.service(pair, spec, shape),
         workload,
     )

@@ -149,4 +149,63 @@ def test_the_operator_runs_a_pair_past_one_node_as_a_leader_worker_set(
         revision = group["metadata"]["labels"]["specpair.dev/revision"]
         served = api(control_plane, "GET", pair_path(ns, "big"))
         assert served["status"]["currentRevision"] == revision
+        roll_back_a_failing_group(control_plane, ns, groups, revision)
     assert "Traceback" not in operator.output(), operator.output()[-3000:]
+
+
+def leader_template_revision(group: dict[str, Any]) -> str:
+    template = group["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    return str(template["metadata"]["labels"]["specpair.dev/revision"])
+
+
+def roll_back_a_failing_group(plane: ControlPlane, ns: str, groups: str, good: str) -> None:
+    """A new version whose leader's gate fails is rolled back to the good group template."""
+    pair = api(plane, "GET", pair_path(ns, "big"))
+    pair["spec"]["version"] = "2024-10-bad"
+    api(plane, "PUT", pair_path(ns, "big"), pair)
+    bad = wait_for(
+        lambda: (r := leader_template_revision(api(plane, "GET", f"{groups}/big"))) != good and r,
+        "the new group template",
+    )
+    # Play the LWS controller and kubelet: the new group's leader, its gate failed.
+    labels = {
+        "app.kubernetes.io/instance": "big",
+        "app.kubernetes.io/managed-by": "specpair-operator",
+        "specpair.dev/revision": bad,
+        "specpair.dev/engine": "vllm",
+        "leaderworkerset.sigs.k8s.io/worker-index": "0",
+    }
+    pod = {
+        "metadata": {"name": "big-0", "labels": labels},
+        "spec": {"containers": [{"name": "gate", "image": "specpair"}]},
+    }
+    created = api(plane, "POST", f"/api/v1/namespaces/{ns}/pods", pod)
+    message = "golden prompts failed: capital: output does not contain 'Paris'"
+    terminated = {"exitCode": 1, "reason": "Error", "message": message}
+    created["status"] = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "gate",
+                "image": "specpair",
+                "imageID": "",
+                "ready": False,
+                "restartCount": 1,
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {**terminated, "startedAt": None}},
+            }
+        ],
+    }
+    created["status"]["containerStatuses"][0]["lastState"]["terminated"].pop("startedAt")
+    api(plane, "PUT", f"/api/v1/namespaces/{ns}/pods/big-0/status", created)
+    degraded = wait_for(
+        lambda: (
+            (c := condition(get_or_none(plane, pair_path(ns, "big")), "Degraded"))
+            and c["reason"] == "RolloutFailed"
+            and c
+        ),
+        "the rollback",
+    )
+    assert message in degraded["message"]
+    assert leader_template_revision(api(plane, "GET", f"{groups}/big")) == good
+    api(plane, "DELETE", f"/api/v1/namespaces/{ns}/pods/big-0?gracePeriodSeconds=0")

@@ -18,13 +18,16 @@ The rollout keeps the old groups serving until new ones are ready
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 from specpair_operator import builders
 from specpair_operator.api import SpeculativePairSpec
 from specpair_operator.builders import REVISION_LABEL, Manifest, PairRef
-from specpair_operator.engines.vllm import pod_template
+from specpair_operator.engines.vllm import GROUP_TEMPLATE_KEY, pod_template
 from specpair_operator.engines.vllm_args import Layout, serve_args, worker_args
+from specpair_operator.rollback import ROLLBACK_HASH_PREFIX
 
 GROUP = "leaderworkerset.x-k8s.io"
 API_VERSION = f"{GROUP}/v1"
@@ -95,3 +98,23 @@ def deployment_view(lws: dict[str, Any]) -> dict[str, Any]:
             "conditions": list(status.get("conditions") or []),
         },
     }
+
+
+def rolled_back_group(group: dict[str, Any], template: dict[str, Any], good: str) -> dict[str, Any]:
+    """The LeaderWorkerSet with the good revision's group template back (for a PUT)."""
+    body = copy.deepcopy(group)
+    body.pop("status", None)
+    body["spec"]["leaderWorkerTemplate"] = copy.deepcopy(template)
+    meta = body["metadata"]
+    meta.setdefault("labels", {})[REVISION_LABEL] = good
+    meta.setdefault("annotations", {})[builders.HASH_ANNOTATION] = ROLLBACK_HASH_PREFIX + good
+    return body
+
+
+def good_group_template(config_map: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The group template a revision's ConfigMap keeps, or None."""
+    text = ((config_map or {}).get("data") or {}).get(GROUP_TEMPLATE_KEY)
+    if not text:
+        return None
+    found: dict[str, Any] = json.loads(text)
+    return found

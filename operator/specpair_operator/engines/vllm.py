@@ -21,6 +21,7 @@ vLLM takes no setting live, so everything it reads is in the revision hash
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from specpair_operator import builders
@@ -81,13 +82,25 @@ def gate_config(pair: PairRef, spec: SpeculativePairSpec, *, speculate: bool) ->
     )
 
 
+# A LeaderWorkerSet keeps no pod template per revision the operator could read back (a
+# Deployment keeps one in each ReplicaSet), so its revision's ConfigMap carries it.
+GROUP_TEMPLATE_KEY = "leaderworkerset-template.json"
+
+
 def config_map(
-    pair: PairRef, spec: SpeculativePairSpec, revision: str, *, speculate: bool
+    pair: PairRef,
+    spec: SpeculativePairSpec,
+    revision: str,
+    *,
+    speculate: bool,
+    group_template: dict[str, Any] | None = None,
 ) -> Manifest:
     data = {"gate.yaml": dump_gate_config(gate_config(pair, spec, speculate=speculate))}
     golden = spec.golden_prompts
     if golden is not None and golden.inline is not None:
         data["golden.yaml"] = builders.inline_golden_file(golden)
+    if group_template is not None:
+        data[GROUP_TEMPLATE_KEY] = json.dumps(group_template, sort_keys=True)
     meta = builders._metadata(
         pair, spec, builders.config_map_name(pair, revision), {REVISION_LABEL: revision}
     )
