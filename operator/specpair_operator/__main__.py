@@ -266,8 +266,6 @@ def smallest_device(
 def _device(spec: SpeculativePairSpec, gpu_memory: str | None) -> DeviceMemory | None:
     if gpu_memory is None:
         return device_memory(spec)
-    if spec.resources.gpus == 0:
-        raise UsageError("--gpu-memory: the pair runs on the CPU (resources.gpus 0)")
     try:
         return DeviceMemory(memory_bytes(gpu_memory), "--gpu-memory", cuda=True)
     except ValueError as error:
@@ -400,6 +398,11 @@ def render_command(
     meta = document.get("metadata") if "spec" in document else None
     meta = meta if isinstance(meta, dict) else {}
     name = str(meta.get("name") or "")
+    if not name:
+        raise UsageError(
+            f"-f {path}: metadata.name is missing: render needs the whole SpeculativePair "
+            "(its name names the children)"
+        )
     problem = name_problem(name)
     if problem is not None:
         raise UsageError(f"metadata.name: {problem}")
