@@ -15,21 +15,13 @@ and vLLM with the target alone. On them:
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from specpair_operator.acceptance import parse_metrics
-from specpair_runtime.config import GateConfig, ModelSpec, PairInfo
+from tests.support.gate_process import gate_config, run_gate
 from tests.support.server_harness import free_port
 from tests.support.vllm_server import (
     VllmServer,
@@ -37,7 +29,6 @@ from tests.support.vllm_server import (
     draft_config,
     get_text,
     running,
-    stop_group,
     tiny_args,
 )
 
@@ -128,62 +119,6 @@ def test_acceptance_parser_reads_vllm_counters(speculative: VllmServer) -> None:
 # --- the gate sidecar -------------------------------------------------------------------
 
 
-def _gate_config(
-    tmp: Path,
-    server: VllmServer,
-    target: Path,
-    draft: Path | None,
-    prompts: list[dict[str, Any]] | None,
-) -> tuple[Path, int]:
-    golden = None
-    if prompts is not None:
-        golden = tmp / "golden.yaml"
-        golden.write_text(yaml.safe_dump({"prompts": prompts}))
-    port = free_port()
-    config = GateConfig(
-        pair=PairInfo(name=NAME, version="v1"),
-        engine_url=server.url,
-        served_model_name=NAME,
-        target=ModelSpec(source=str(target)),
-        draft=None if draft is None else ModelSpec(source=str(draft)),
-        golden_prompts_file=None if golden is None else str(golden),
-        host="127.0.0.1",
-        port=port,
-        cuda=False,
-        engine_start_timeout_seconds=60,
-    )
-    path = tmp / "gate.yaml"
-    path.write_text(yaml.safe_dump(config.to_wire()))
-    return path, port
-
-
-def _run_gate(config: Path, port: int, log: Path, timeout: float = 180.0) -> dict[str, Any]:
-    """Start the gate, wait for a final /readyz (ready or failed), stop it; the last body."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "specpair_runtime", "gate", "--config", str(config)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    body: dict[str, Any] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
-                    body = json.loads(r.read())
-            except urllib.error.HTTPError as error:
-                body = json.loads(error.read() or b"{}")
-            except OSError:
-                body = {}
-            if body.get("phase") in ("ready", "failed"):
-                return body
-            time.sleep(0.5)
-        raise AssertionError(f"the gate never settled; last {body}:\n{log.read_text()}")
-    finally:
-        stop_group(process, grace=15)
-
-
 def test_gate_passes_the_golden_prompts_through_vllm(
     speculative: VllmServer, pair: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -198,8 +133,8 @@ def test_gate_passes_the_golden_prompts_through_vllm(
         },
         {"name": "chat", "prompt": "Where is my parcel?", "chat": True, "maxNewTokens": 12},
     ]
-    config, port = _gate_config(tmp_path, speculative, target, draft, prompts)
-    body = _run_gate(config, port, tmp_path / "gate.log")
+    config, port = gate_config(tmp_path, speculative, target, draft, prompts)
+    body = run_gate(config, port, tmp_path / "gate.log")
     assert body == {
         "ready": True,
         "phase": "ready",
@@ -220,8 +155,8 @@ def test_gate_fails_a_wrong_expectation_and_names_it(
             "expect": {"contains": ["Paris"]},
         },
     ]
-    config, port = _gate_config(tmp_path, speculative, target, draft, prompts)
-    body = _run_gate(config, port, tmp_path / "gate.log")
+    config, port = gate_config(tmp_path, speculative, target, draft, prompts)
+    body = run_gate(config, port, tmp_path / "gate.log")
     assert body["ready"] is False and body["phase"] == "failed"
     assert body["reason"].startswith(
         "golden prompts failed: capital: output does not contain 'Paris'"
@@ -233,7 +168,7 @@ def test_gate_refuses_a_draft_with_another_tokenizer(
     speculative: VllmServer, pair: tuple[Path, Path], foreign_draft: Path, tmp_path: Path
 ) -> None:
     target, _ = pair
-    config, port = _gate_config(tmp_path, speculative, target, foreign_draft, None)
-    body = _run_gate(config, port, tmp_path / "gate.log")
+    config, port = gate_config(tmp_path, speculative, target, foreign_draft, None)
+    body = run_gate(config, port, tmp_path / "gate.log")
     assert body["phase"] == "failed"
     assert body["reason"].startswith("draft is not aligned with the target: vocab:")

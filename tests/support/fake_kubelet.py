@@ -368,7 +368,14 @@ class FakeKubelet:
         return files
 
     def _map(self, mounts: dict[str, Path], value: str) -> str:
-        """A container path → the local path under the pod's volume dirs."""
+        """A container path → the local path under the pod's volume dirs.
+
+        A path that exists on this machine as it is (the tests' models, under
+        the temp dir that the pod's ``/tmp`` mount would shadow) stands for a
+        volume the test provides, and is left as it is.
+        """
+        if value.startswith("/") and Path(value).exists():
+            return value
         for mount, local in sorted(mounts.items(), key=lambda m: -len(m[0])):
             if value == mount or value.startswith(mount.rstrip("/") + "/"):
                 return str(local) + value[len(mount.rstrip("/")) :]
