@@ -43,7 +43,9 @@ from tests.support.polling import PAIRS, wait_for
 from tests.support.server_harness import free_port
 from tests.support.vllm_server import ENV, completion, require_vllm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
+# A vLLM pod starts in about a minute on an idle 2-core machine, in several under load.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
+START_SECONDS = 900
 
 NAME = "tiny"
 SCRAPE_SECONDS = 2
@@ -265,7 +267,9 @@ def test_1_a_vllm_pair_becomes_ready_and_reports_vllm_acceptance(env: Env) -> No
             "POST", PAIRS.format(ns=env.namespace), pair_body("v1", env.models.first, env.port)
         )
         revision = wait_for(
-            lambda: env.status().get("currentRevision"), "the first revision to serve", timeout=420
+            lambda: env.status().get("currentRevision"),
+            "the first revision to serve",
+            timeout=START_SECONDS,
         )
         assert env.condition("Ready")["status"] == "True"
         pod = env.ready_pods()[0]
@@ -297,7 +301,7 @@ def test_2_a_new_version_rolls_out_as_one_unit(env: Env) -> None:
             new = wait_for(
                 lambda: (r := env.template_revision()) != old and r, "the new template", timeout=60
             )
-            wait_for(lambda: env.settled_on(new), "the new revision alone", timeout=420)
+            wait_for(lambda: env.settled_on(new), "the new revision alone", timeout=START_SECONDS)
         assert not load.failures, load.failures
         assert load.ok > 0
         pod = env.ready_pods()[0]
@@ -322,7 +326,7 @@ def test_3_a_failing_golden_prompt_is_rolled_back(env: Env) -> None:
             degraded = wait_for(
                 lambda: (c := env.condition("Degraded")).get("reason") == "RolloutFailed" and c,
                 "the rollback",
-                timeout=420,
+                timeout=START_SECONDS,
             )
             wait_for(lambda: env.settled_on(good, ready="False"), "the good pod alone", timeout=90)
         assert not load.failures, load.failures
