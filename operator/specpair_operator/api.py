@@ -1031,6 +1031,16 @@ class Placement(ContractModel):
     draft: ModelMemory = Field(description="The draft's share (loaded only when Colocated).")
     overhead_bytes: int = Field(json_schema_extra=_INT64, description="Runtime overhead charged.")
     device_source: str = Field(description="Where deviceBytes came from (spec or node label).")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Engine vllm: GPUs the target is split over (bytes are per GPU)."
+    )
+    nodes: int | None = Field(
+        default=None,
+        description="Engine vllm: pods (nodes) of one group; more than 1: a LeaderWorkerSet.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None, description="Engine vllm: the --gpu-memory-utilization vLLM gets."
+    )
 
 
 RevisionOutcome = Literal["Progressing", "Current", "Superseded", "RolledBack"]

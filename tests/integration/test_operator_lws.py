@@ -127,6 +127,8 @@ def test_the_operator_runs_a_pair_past_one_node_as_a_leader_worker_set(
         )
         placement = pair["status"]["placement"]
         assert placement["mode"] == "Colocated" and "over 2 nodes of 8 GPUs" in placement["reason"]
+        assert (placement["tensorParallelSize"], placement["nodes"]) == (16, 2)
+        assert placement["gpuMemoryUtilization"] == 0.9
         assert get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/big") is None
         assert (condition(pair, "Ready") or {}).get("status") == "False"
         # Play the LeaderWorkerSet controller: the group is up.
