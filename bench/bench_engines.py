@@ -230,14 +230,19 @@ def main() -> int:
             print(f"[{mode}] {result.median:.2f} tok/s", file=sys.stderr, flush=True)
             results.append(result)
     baseline = next((r.median for r in results if r.mode.startswith("vllm-target-float32")), 0.0)
+    from specpair_runtime.hardware import cpu_info
+
+    cpu = cpu_info()
     print(
         f"real pair, {len(PROMPTS)} chat prompts x {args.rounds} rounds, "
-        f"{args.max_new_tokens} new tokens, greedy, {args.threads} threads"
+        f"{args.max_new_tokens} new tokens, greedy, {args.threads} threads, "
+        f"{cpu['cpu_model']} ({cpu['cpu_isa']}, bf16 GEMM {cpu['bf16_gemm']})"
     )
     print_table(results, baseline)
     same = {r.mode: r.texts for r in results}
     if args.json is not None:
         document = {
+            "cpu": cpu,
             "threads": args.threads,
             "rounds": args.rounds,
             "max_new_tokens": args.max_new_tokens,
