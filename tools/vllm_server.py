@@ -39,6 +39,8 @@ ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    # vLLM's own processes talk over this address (ranks of tensor parallelism): loopback.
+    "VLLM_HOST_IP": "127.0.0.1",
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
