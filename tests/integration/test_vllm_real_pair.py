@@ -66,18 +66,14 @@ def test_the_gate_passes_the_real_pair_and_speculation_keeps_the_targets_output(
             "name": "palindrome",
             "prompt": PALINDROME,
             "chat": True,
-            "maxNewTokens": 24,
+            "maxNewTokens": 48,
             "expect": {"contains": ["def is_palindrome"]},
         },
         {"name": "loop", "prompt": "for i in range(10):\n", "maxNewTokens": 16},
     ]
     config, port = gate_config(tmp_path, server, real.target_dir, real.draft_dir, prompts, NAME)
     body = run_gate(config, port, tmp_path / "gate.log", timeout=600)
-    assert body == {
-        "ready": True,
-        "phase": "ready",
-        "reason": "alignment and golden prompts passed",
-    }
+    assert (body["phase"], body["reason"]) == ("ready", "alignment and golden prompts passed"), body
     after = parse_metrics(get_text(f"{server.url}/metrics"))
     drafted, accepted = after.drafted - before.drafted, after.accepted - before.accepted
     assert drafted > 0 and 0 < accepted <= drafted
