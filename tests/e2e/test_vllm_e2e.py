@@ -204,7 +204,7 @@ class Traffic:
                 self.ok += 1
             except (OSError, ValueError) as error:
                 self.failures.append(f"{pod['metadata']['name']}: {error!r}")
-            time.sleep(0.05)
+            time.sleep(0.5)  # steady, and leaves the cores to the pod that is starting
 
     def __enter__(self) -> Traffic:
         self._thread = threading.Thread(target=self._loop, name="traffic", daemon=True)

@@ -53,7 +53,9 @@ def real() -> RealPair:
 def server(real: RealPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("vllm-real") / "vllm.log"
     args = tiny_args(NAME, max_model_length=1024, batch=2) + draft_config(real.draft_dir)
-    with running(VllmServer(real.target_dir, free_port(), log, args)) as started:
+    # Both cores, unpinned: one server, beside whatever else the suite runs.
+    threads = {"OMP_NUM_THREADS": "2"}
+    with running(VllmServer(real.target_dir, free_port(), log, args, env=threads)) as started:
         yield started
 
 
