@@ -162,7 +162,6 @@ def vllm_server(work: Path, dtype: str, threads: int, depth: int | None) -> Iter
     # vLLM's own CPU setup (threads pinned to the cores): the server runs alone.
     env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
     env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "KMP_BLOCKTIME": "5"}
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
     name = f"vllm-{dtype}-{'draft' if depth else 'target'}.log"
     server = VllmServer(dirs["target"], free_port(), work / name, args, env=env)
     with running(server) as started:
