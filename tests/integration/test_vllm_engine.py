@@ -15,6 +15,7 @@ and vLLM with the target alone. On them:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,32 @@ def test_greedy_speculative_output_equals_vllm_target_only(
     assert 0 < after.accepted - before.accepted <= after.drafted - before.drafted
     # The target-only server never drafts.
     assert parse_metrics(get_text(f"{target_only.url}/metrics")).drafted == 0
+
+
+def test_tensor_parallel_two_with_the_draft_sharded_alike_keeps_the_output(
+    pair: tuple[Path, Path], target_only: VllmServer, tmp_path: Path
+) -> None:
+    """vLLM's CPU build splits the pair over two ranks (one core each), as on two GPUs."""
+    target, draft = pair
+    config = {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 4,
+        "draft_tensor_parallel_size": 2,
+    }
+    args = [*tiny_args(NAME), "--speculative-config", json.dumps(config)]
+    args += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+    server = VllmServer(target, free_port(), tmp_path / "tp2.log", args)
+    with running(server) as tp2:
+        for prompt in PROMPTS:
+            split = completion(tp2.url, NAME, prompt, MAX_TOKENS)
+            assert (
+                split["token_ids"]
+                == completion(target_only.url, NAME, prompt, MAX_TOKENS)["token_ids"]
+            ), prompt
+        sample = parse_metrics(get_text(f"{tp2.url}/metrics"))
+    assert sample.steps > 0 and 0 < sample.accepted <= sample.drafted
+    assert "world_size=2" in server.tail(200_000)
 
 
 def test_acceptance_parser_reads_vllm_counters(speculative: VllmServer) -> None:
