@@ -323,6 +323,24 @@ def _nodes(request: ParallelRequest) -> tuple[int, int, str | None]:
     return tp // per_node, per_node, None
 
 
+def _check(request: ParallelRequest) -> None:
+    if request.max_batch_size < 1 or request.max_model_length < 1 or request.device_bytes < 1:
+        raise ValueError("max_batch_size, max_model_length and device_bytes must be >= 1")
+    if not 0.0 <= request.headroom_fraction < 1.0:
+        raise ValueError(f"headroom_fraction must be in [0, 1), got {request.headroom_fraction}")
+
+
+def _fewest_gpus_hint(request: ParallelRequest, smallest: int | None) -> str:
+    """Where the pair would fit instead, for a reason that is not Colocated."""
+    if not request.cuda:
+        return ""
+    if smallest is None:
+        return f"; it does not fit with its draft on up to {MAX_TENSOR_PARALLEL_SIZE} such GPUs"
+    if smallest != request.tensor_parallel_size:
+        return f"; the pair fits with its draft on {smallest} GPUs (resources.gpus: {smallest})"
+    return ""
+
+
 def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest) -> Plan:
     """vLLM's layout of the pair: per-GPU memory, tensor parallelism, nodes.
 
@@ -335,10 +353,7 @@ def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: Parallel
     """
     tp = request.tensor_parallel_size
     draft_tp = request.draft_tensor_parallel_size
-    if request.max_batch_size < 1 or request.max_model_length < 1 or request.device_bytes < 1:
-        raise ValueError("max_batch_size, max_model_length and device_bytes must be >= 1")
-    if not 0.0 <= request.headroom_fraction < 1.0:
-        raise ValueError(f"headroom_fraction must be in [0, 1), got {request.headroom_fraction}")
+    _check(request)
     target_est, draft_est = _per_gpu(target, draft, request, tp, draft_tp)
     usable = _usable(request)
     smallest = smallest_tensor_parallel_size(target, draft, request)
@@ -352,11 +367,7 @@ def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: Parallel
         f"{gib(usable)} usable {where} ({gib(request.device_bytes)} less "
         f"{request.headroom_fraction:.0%} headroom)"
     )
-    hint = ""
-    if request.cuda and smallest is None:
-        hint = f"; it does not fit with its draft on up to {MAX_TENSOR_PARALLEL_SIZE} such GPUs"
-    elif request.cuda and smallest != tp:
-        hint = f"; the pair fits with its draft on {smallest} GPUs (resources.gpus: {smallest})"
+    hint = _fewest_gpus_hint(request, smallest)
 
     layout = ParallelLayout(
         tensor_parallel_size=tp,
