@@ -30,14 +30,19 @@ from typing import Any
 
 from specpair_runtime.golden import GoldenFile, GoldenPrompt, check_expectation
 
-# As engine/golden_check.py: exact on the CPU, 0.5 logits on CUDA (bf16 kernels differ).
+# 0.5 logits on CUDA, as engine/golden_check.py (bf16 kernels differ). On the CPU the
+# runtime demands exact identity because both of its paths run the same kernels; here the
+# output comes from vLLM's decode and verify steps and the judgement from one prefill over
+# the whole sequence, whose fp32 sums run in another order (differences of about 1e-5
+# logits), so a true tie may split either way: 0.05 logits tolerates that and nothing else.
 CUDA_NEAR_TIE_MARGIN = 0.5
+CPU_NEAR_TIE_MARGIN = 0.05
 
 
 def near_tie_margin(configured: float | None, *, cuda: bool) -> float:
     if configured is not None:
         return configured
-    return CUDA_NEAR_TIE_MARGIN if cuda else 0.0
+    return CUDA_NEAR_TIE_MARGIN if cuda else CPU_NEAR_TIE_MARGIN
 
 
 class EngineError(RuntimeError):
