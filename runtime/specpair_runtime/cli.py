@@ -435,6 +435,9 @@ def build_parser() -> OneLineParser:
 
     add_bench_command(subparsers)
     add_serve_command(subparsers)
+    from specpair_runtime.sidecar import command as gate_command
+
+    gate_command.add_parser(subparsers)
     return parser
 
 

@@ -333,3 +333,56 @@ def load_runtime_config(path: Path) -> RuntimeConfig:
 def dump_runtime_config(config: RuntimeConfig) -> str:
     """Render the config as YAML (what the operator writes into a ConfigMap)."""
     return yaml.safe_dump(config.to_wire(), sort_keys=False)
+
+
+class GateConfig(ContractModel):
+    """The gate sidecar beside an engine that is not specpair's own (``specpair-runtime gate``).
+
+    It checks the pair's alignment from the model files, then runs the golden
+    prompts through the engine's OpenAI API, and reports the outcome on its
+    ``/readyz`` (the pod's readiness), as the runtime's own server does.
+    """
+
+    pair: PairInfo
+    engine_url: str = Field(
+        default="http://127.0.0.1:8000", description="The engine's OpenAI server in the pod."
+    )
+    served_model_name: str = Field(min_length=1, description="The model name the engine serves.")
+    target: ModelSpec
+    draft: ModelSpec | None = Field(
+        default=None, description="The draft, when the engine speculates with it."
+    )
+    golden_prompts_file: str | None = Field(
+        default=None, description="Golden-prompt file checked before /readyz turns ready."
+    )
+    host: str = Field(default="0.0.0.0", description="Address of the gate's own HTTP server.")
+    port: int = Field(default=8001, ge=1, le=65535, description="Port of the gate's server.")
+    cuda: bool = Field(
+        default=True, description="The engine runs on CUDA (sets the default near-tie margin)."
+    )
+    engine_start_timeout_seconds: float = Field(
+        default=1800.0, gt=0, description="How long the engine may take to answer /health."
+    )
+    request_timeout_seconds: float = Field(
+        default=300.0, gt=0, description="One golden request's time limit."
+    )
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the engine's API key, if any."
+    )
+
+
+def dump_gate_config(config: GateConfig) -> str:
+    return yaml.safe_dump(config.to_wire(), sort_keys=False)
+
+
+def load_gate_config(path: Path) -> GateConfig:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read gate config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    try:
+        return GateConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None

@@ -115,13 +115,19 @@ def parse_hf_source(source: str, revision: str | None) -> tuple[str, str | None]
     return repo_id, url_revision or revision
 
 
-def download_hf(source: str, revision: str | None, gguf_file: str | None) -> Path:
-    """Download an hf:// model with huggingface_hub (token from $HF_TOKEN)."""
+def download_hf(
+    source: str, revision: str | None, gguf_file: str | None, allow: list[str] | None = None
+) -> Path:
+    """Download an hf:// model with huggingface_hub (token from $HF_TOKEN).
+
+    ``allow`` limits the download to matching files (the gate sidecar needs
+    only the tokenizer's).
+    """
     from huggingface_hub import snapshot_download
 
     repo_id, rev = parse_hf_source(source, revision)
     # A GGUF repo holds many quantizations; fetch only the one asked for.
-    allow = [gguf_file] if gguf_file else None
+    allow = [gguf_file] if gguf_file else allow
     log.info("downloading %s (revision %s)", repo_id, rev or "default")
     try:
         path = snapshot_download(
