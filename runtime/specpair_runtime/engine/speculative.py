@@ -20,10 +20,13 @@ Target-only decoding runs through the same forwards and the same kernels, so
 on the CPU greedy speculative output equals greedy target-only output token
 for token (on CUDA, up to floating-point numerics: see the golden check).
 
-Seeds: a request with a seed owns a generator and draws only from it, and
-only as many numbers as its own drafts need, so with a fixed depth it gives
-the same tokens alone or in any batch. Other requests share batched draws
-from torch's global generator (``torch.manual_seed`` makes runs repeatable).
+Seeds: a sampled request with a seed takes at each output position the
+Gumbel-max token of the target's processed distribution under noise keyed
+by (seed, position), and its draft proposes with the same noise
+(``sampling.coupled_tokens``), so its output depends on the seed and the
+target alone: the same whatever the depth, the batch or the timing. Other
+requests share batched draws from torch's global generator
+(``torch.manual_seed`` makes runs repeatable).
 
 Single-threaded: call ``add_request``/``abort``/``step`` from one thread.
 """
@@ -159,10 +162,6 @@ class SpeculativeEngine:
             )
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         stream = OutputStream(
             self.tokenizer,
             prompt_ids,
@@ -170,9 +169,7 @@ class SpeculativeEngine:
             stop=params.stop,
             max_new_tokens=params.max_new_tokens,
         )
-        request = Request(
-            request_id, list(prompt_ids), params, stream, generator, processors_for(params)
-        )
+        request = Request(request_id, list(prompt_ids), params, stream, processors_for(params))
         self._done.pop(request_id, None)
         self.scheduler.waiting.append(request)
 

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from specpair_runtime.engine.api import FinishReason
+from specpair_runtime.engine.api import SEED_GUARANTEE, FinishReason
 from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
@@ -70,7 +70,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description=SEED_GUARANTEE)
     stop: Text | list[Text] | None = None
     n: Literal[1] = Field(default=1, description="Only one choice per request.")
     stream: bool = False
