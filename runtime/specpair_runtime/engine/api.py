@@ -61,7 +61,7 @@ SEED_GUARANTEE = (
     "by the seed and the token's position, and the draft proposes with the same noise, "
     "so the output is what the target alone gives with that seed and follows its "
     "distribution exactly; a request with a smaller max_tokens gets a prefix of it. On "
-    "the CPU \"the same\" is token for token. On CUDA it holds up to floating-point "
+    'the CPU "the same" is token for token. On CUDA it holds up to floating-point '
     "differences between batch shapes, which can change a token where two are nearly "
     "tied, as for greedy output. Another pair version, dtype or device may give other "
     "output. Greedy requests ignore the seed; sampled requests without one draw from "
