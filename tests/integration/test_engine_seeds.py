@@ -20,14 +20,16 @@ def pair() -> TinyPair:
     return build_pair("llama", seed=0)
 
 
-def _engine(pair: TinyPair, knobs: SpeculationKnobs | None, **options: int) -> SpeculativeEngine:
+def _engine(
+    pair: TinyPair, knobs: SpeculationKnobs | None, options: EngineOptions | None = None
+) -> SpeculativeEngine:
     tok = pair.tokenizer
     draft = as_loaded(pair.draft, tok, "draft") if knobs is not None else None
     return SpeculativeEngine(
         as_loaded(pair.target, tok, "target"),
         draft,
         knobs or SpeculationKnobs(),
-        options=EngineOptions(**options),
+        options=options,
     )
 
 
@@ -65,7 +67,7 @@ def test_the_same_seed_gives_the_same_tokens_with_adaptive_knobs_in_any_batch(
         SamplingParams(max_new_tokens=NEW // 2, temperature=1.0),
         SamplingParams(max_new_tokens=NEW, temperature=0.7, seed=99),
     ]
-    engine = _engine(pair, knobs, max_slots=4, max_length=256, max_step_tokens=12)
+    engine = _engine(pair, knobs, EngineOptions(max_slots=4, max_length=256, max_step_tokens=12))
     (alone,) = generate(engine, [prompts[0]], SEEDED)
     crowd = generate(
         engine, [prompts[1], prompts[0], prompts[2], prompts[3]], [mates[0], SEEDED, *mates[1:]]
