@@ -204,10 +204,10 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
     """What the demo and the benchmarks run the draft with on a device of this type.
 
     int4-weight on the CPU: cheaper than fp32 and accepted nearly as often
-    (engine/int4_linears.py has the numbers), also where oneDNN has no native
-    bf16 (an AVX2-only AMD EPYC: 1.71x target-only against 1.33x for the fp32
-    draft, docs/benchmarks-history.md); nothing on CUDA, where the draft's bf16
-    forward is cheap already.
+    (engine/cpu/int4.py has the numbers), also where oneDNN has no native
+    bf16 (on an AVX2-only AMD EPYC the int4 draft made the engine 1.71x
+    target-only, the fp32 draft 1.33x); nothing on CUDA, where the draft's
+    bf16 forward is cheap already.
     """
     return "int4-weight" if device_type == "cpu" else "none"
 

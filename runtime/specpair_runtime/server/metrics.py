@@ -145,7 +145,7 @@ class ServerMetrics:
             PAIR_LABELS,
             registry=reg,
         ).labels(**labels)
-        # Speed depends on the CPU far more than on its core count (docs/benchmarks-history.md):
+        # Speed depends on the CPU far more than on its core count (hardware.py):
         # pods on nodes of different CPUs are told apart by this series.
         self.cpu = Info(
             "specpair_cpu",
