@@ -69,12 +69,35 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 192)
 CONTEXT = 128
 
 
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares; pool adjacent violators).
+
+    A forward of more tokens never costs less; where a busy machine timed a
+    size in a slow moment, the pooled value spreads that over its neighbours.
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            total = blocks[-1][0] * blocks[-1][1] + mean * count
+            blocks[-1][1] += count
+            blocks[-1][0] = total / blocks[-1][1]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 @dataclass(frozen=True)
 class CostCurve:
     """Seconds of one forward of n tokens: linear between the sizes measured, and past them."""
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+
+    @staticmethod
+    def smooth(sizes: Sequence[int], seconds: Sequence[float]) -> CostCurve:
+        order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+        fitted = non_decreasing([seconds[i] for i in order])
+        return CostCurve(tuple(sizes[i] for i in order), tuple(fitted))
 
     def __call__(self, tokens: int) -> float:
         i = bisect.bisect_left(self.sizes, tokens)
@@ -93,10 +116,13 @@ class ModelledClock:
         self.costs = costs
         self.now = 0.0
         self.forwards = {name: 0 for name in costs}
+        # Forwards by model and size: the same run's time under another table.
+        self.sizes: dict[str, dict[int, int]] = {name: {} for name in costs}
 
     def charge(self, model: str, tokens: int) -> None:
         self.now += self.costs[model](tokens)
         self.forwards[model] += 1
+        self.sizes[model][tokens] = self.sizes[model].get(tokens, 0) + 1
 
     def timer(self) -> type:
         """A ``StepTimer`` that reads this clock."""
@@ -167,6 +193,7 @@ class Outcome:
     wall_seconds: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    forward_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -205,12 +232,13 @@ def run_variant(
     outcome = Outcome(variant.name, mode)
     clock = ModelledClock(costs)
     with patched([*variant.patches, (speculative, "StepTimer", clock.timer())]):
+        # One engine for every group, as a server keeps it: what the rules learn carries over.
+        options = EngineOptions(max_slots=batch, max_length=length)
+        engine = pair.engine(
+            speculate=variant.knobs is not None, knobs=variant.knobs, options=options
+        )
+        instrument(engine, clock, bad_draft)
         for group in groups:
-            options = EngineOptions(max_slots=batch, max_length=length)
-            engine = pair.engine(
-                speculate=variant.knobs is not None, knobs=variant.knobs, options=options
-            )
-            instrument(engine, clock, bad_draft)
             started = time.perf_counter()
             results = generate(engine, group, params)
             outcome.wall_seconds += time.perf_counter() - started
@@ -219,9 +247,9 @@ def run_variant(
                 outcome.drafted += result.stats.drafted_tokens
                 outcome.accepted += result.stats.accepted_tokens
                 outcome.outputs.append(result.token_ids)
-            for reason, count in engine.fallback_counts.items():
-                outcome.fallbacks[reason] = outcome.fallbacks.get(reason, 0) + count
+        outcome.fallbacks = dict(engine.fallback_counts)
     outcome.modelled_seconds = clock.now
+    outcome.forward_sizes = clock.sizes
     outcome.target_forwards = clock.forwards["target"]
     outcome.draft_forwards = clock.forwards.get("draft", 0)
     return outcome
@@ -241,7 +269,7 @@ def measure_costs(pair: LoadedPair, rounds: int) -> dict[str, CostCurve]:
         repeats=3,
     )
     return {
-        name: CostCurve(tuple(sorted(by_size)), tuple(min(by_size[n]) for n in sorted(by_size)))
+        name: CostCurve.smooth(list(by_size), [min(by_size[n]) for n in by_size])
         for name, by_size in samples.items()
     }
 
@@ -347,9 +375,7 @@ def main(argv: list[str]) -> int:
     )
     if args.costs is not None:
         table = json.loads(args.costs.read_text())
-        costs = {
-            name: CostCurve(tuple(c["sizes"]), tuple(c["seconds"])) for name, c in table.items()
-        }
+        costs = {name: CostCurve.smooth(c["sizes"], c["seconds"]) for name, c in table.items()}
     else:
         costs = measure_costs(pair, args.rounds)
         if args.save_costs is not None:
