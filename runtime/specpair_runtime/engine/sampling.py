@@ -24,10 +24,11 @@ Random numbers: rows share batched draws from the global generator
 so that its output is a function of the seed and the target alone: its token
 at output position ``t`` is ``argmax(log p_t + g_t)``, the Gumbel-max trick,
 with Gumbel noise ``g_t`` drawn from a generator keyed by (seed, t)
-(``gumbel_noise``). The draft proposes with the same noise (``argmax(log q_t
-+ g_t)``), a draft token is accepted iff it is the target's token there, and
-the first mismatch commits the target's own token (``coupled_tokens`` beside
-``greedy_verify``). Every committed token is then the target's own
+(``race_noise``, computed as the equivalent exponential race). The draft
+proposes with the same noise (``argmax(log q_t + g_t)``), a draft token is
+accepted iff it is the target's token there, and the first mismatch commits
+the target's own token (``coupled_tokens`` beside ``greedy_verify``). Every
+committed token is then the target's own
 Gumbel-max sample given the committed tokens before it, so the output is
 distributed exactly as the target's processed distribution, and identical
 whatever the depth, the draft, the batch or the timing; a draft token is
@@ -256,31 +257,35 @@ def _splitmix(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """[V] float64 Gumbel(0, 1) noise of output position ``position`` of a seeded request.
+def race_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] float32 Exp(1) noise of output position ``position`` of a seeded request.
 
     A function of (seed, position) alone; the positions' noises are independent.
     """
     generator = torch.Generator(device=device)
     generator.manual_seed(_splitmix(_splitmix(seed & _MASK) ^ position) >> 1)
-    uniform = torch.rand(vocab, generator=generator, dtype=torch.float64, device=device)
-    return -torch.log(-torch.log(uniform.clamp(min=torch.finfo(torch.float64).tiny)))
+    # -log(u) for u in [0, 1): in (0, inf], so p / E is never NaN (u = 0 gives inf,
+    # a token that cannot win). Five times faster than exponential_ on the CPU.
+    uniform = torch.rand(vocab, generator=generator, dtype=torch.float32, device=device)
+    return uniform.log_().neg_()
 
 
 def coupled_tokens(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
-    """The Gumbel-max tokens [n] of n consecutive positions from ``first_position`` on.
+    """The seeded tokens [n] of n consecutive positions from ``first_position`` on.
 
     ``probs`` [n, V]: a processed distribution (the target's p or the draft's
-    q) at each position; a token of probability 0 is never chosen.
+    q) at each position. The token is ``argmax(p / E)`` with ``E`` Exp(1)
+    noise (``race_noise``): the exponential race, the Gumbel-max trick in
+    the form vLLM samples with (``-log E`` is Gumbel noise), so it is a sample
+    of p; a token of probability 0 is never chosen.
     """
-    log_p = probs.double().log()
     noise = torch.stack(
         [
-            gumbel_noise(seed, first_position + i, probs.shape[-1], probs.device)
+            race_noise(seed, first_position + i, probs.shape[-1], probs.device)
             for i in range(probs.shape[0])
         ]
     )
-    return (log_p + noise).argmax(dim=-1)
+    return (probs.float() / noise).argmax(dim=-1)
 
 
 def uniforms(
