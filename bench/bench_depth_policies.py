@@ -375,7 +375,7 @@ def main(argv: list[str]) -> int:
     from specpair_runtime.engine.prompting import encode_prompt
 
     quantization = recommended_draft_quantization("cpu")
-    # The engine switches the target to its kernels, so its greedy tokens are the engine's.
+    # The loader gives the target the engine's kernels: its greedy tokens are the engine's.
     pair, engine = pair_and_engine(dirs, "cpu", quantization, max_length=256)
     assert pair.draft is not None and engine.draft is not None
     max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS, *(d + w for d, w in DEFAULT_BRANCHES))
