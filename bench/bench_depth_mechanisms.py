@@ -276,7 +276,7 @@ def measure_costs(pair: LoadedPair, rounds: int) -> dict[str, CostCurve]:
 
 def variants() -> dict[str, Variant]:
     """The variants this script knows, by name: the default, each mechanism off, fixed depths."""
-    from specpair_runtime.engine import depth
+    from specpair_runtime.engine import cost_model, depth
 
     default = SpeculationKnobs()
     never = 10**9
@@ -286,12 +286,16 @@ def variants() -> dict[str, Variant]:
         "no-verdict": Variant(
             "no-verdict",
             default,
-            ((depth, "MIN_VERDICT_STEPS", never), (depth, "PROBE_TARGET_EVERY", never)),
+            (
+                (cost_model, "MIN_VERDICT_STEPS", never),
+                (depth, "MIN_VERDICT_STEPS", never),
+                (depth, "PROBE_TARGET_EVERY", never),
+            ),
         ),
         "fixed-bar-0.5": Variant(
             "fixed-bar-0.5",
             default,
-            ((depth.CostModel, "break_even_confidence", lambda self, b, d: 0.5),),
+            ((cost_model.CostModel, "break_even_confidence", lambda self, b, d: 0.5),),
         ),
         "no-stop": Variant("no-stop", default.model_copy(update={"draft_confidence": 0.0})),
         "no-batch-cap": Variant(

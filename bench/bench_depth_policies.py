@@ -287,7 +287,7 @@ def break_even_threshold(
     traces: Sequence[Sequence[DraftPosition]], costs: Costs, depth: int = 4
 ) -> float:
     """The engine's default confidence bar on these costs, at fixed ``depth``'s rate."""
-    from specpair_runtime.engine.depth import CostModel
+    from specpair_runtime.engine.cost_model import CostModel
 
     model = CostModel()
     for n, seconds in costs.verify.items():

@@ -10,7 +10,8 @@ from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, Spec
 from specpair_runtime.engine import drafter
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
-from specpair_runtime.engine.depth import MIN_VERDICT_STEPS, PREFILL
+from specpair_runtime.engine.cost_model import MIN_VERDICT_STEPS
+from specpair_runtime.engine.depth import PREFILL
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEngine, generate
 

@@ -71,7 +71,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from specpair_runtime.engine.depth import TIMING_WINDOW
+from specpair_runtime.engine.cost_model import TIMING_WINDOW
 
 # A step that carries prompt chunks may take this much longer than a pure decode step.
 STEP_ALLOWANCE = 0.25
