@@ -23,7 +23,7 @@ engine's own runners (``bench_forward.measure``), and replays:
   over the pass (its own estimate that every draft so far is accepted) falls
   below ``t``, at most ``c`` tokens: the engine's stop since stop 36;
 - ``product 0.5 <=4``: that rule at the engine's CPU default
-  (``draftConfidence``, ``config.DEFAULT_DRAFT_CONFIDENCE``);
+  (``draftConfidence``, ``config.DRAFT_CONFIDENCE``);
 - ``break-even t <=c``: that rule at the threshold that the engine's
   default takes from these costs (``CostModel.break_even_confidence``: the
   rate of fixed depth 4 times a draft forward plus one more verify token),
@@ -261,12 +261,12 @@ def policies(
     schedule: bool = False,
 ) -> dict[str, Policy | Branches]:
     """The rules to replay, by name (module doc)."""
-    from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE
+    from specpair_runtime.config import DRAFT_CONFIDENCE
 
     chosen: dict[str, Policy | Branches] = {f"k={d}": fixed(d) for d in fixed_depths}
     for cap in caps:
         chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
-    engine = DEFAULT_DRAFT_CONFIDENCE["cpu"]
+    engine = DRAFT_CONFIDENCE.per_device["cpu"]
     if 4 in caps:  # the engine's rule (a product, since stop 36) at its CPU default
         chosen[f"product {engine} <=4"] = product_stop(engine, 4)
     for threshold in products:

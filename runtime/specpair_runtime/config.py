@@ -216,8 +216,31 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
 # default): on by default on the CPU only. On CUDA the check reads the draft's
 # probabilities back once per draft forward, which breaks the step's single host sync.
 # Unset with adaptive depth, the threshold follows the measured costs
-# (``CostModel.break_even_confidence``); this value serves until they are measured.
-DEFAULT_DRAFT_CONFIDENCE = {"cpu": 0.5}
+# (``CostModel.break_even_confidence``); the CPU's value serves until they are measured.
+DRAFT_CONFIDENCE = Option(
+    "A request stops drafting in a step once the product of the draft's probabilities "
+    "of its drafts so far is below this (0 disables).",
+    0.0,
+    per_device={"cpu": 0.5},
+    unset=(
+        "on the CPU with adaptive depth, the break-even acceptance of one more draft token "
+        "from the measured step costs (0.5 until measured); off on CUDA and with a fixed depth"
+    ),
+    bounds={"ge": 0.0, "le": 1.0},
+)
+# A step that reads a prompt chunk speculates, except on the CPU: there such a step
+# is bound by its arithmetic, and every verify token costs about what a prompt token does.
+DURING_PREFILL = Option(
+    "Speculate in steps that also read a prompt chunk (chunked prefill).",
+    True,
+    per_device={"cpu": False},
+    unset=(
+        "on, except on the CPU, where such a step is bound by its arithmetic: there the "
+        "verify tokens slow the prompts' reading about as much as they speed up the "
+        "decoding requests, so the decoding requests take one token per step until the "
+        "waiting prompts are read"
+    ),
+)
 
 
 def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> float:
@@ -226,9 +249,9 @@ def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> floa
     Unset, it is the device's default with adaptive depth, and 0 with a fixed
     depth (a fixed depth drafts exactly ``maxDepth`` tokens).
     """
-    if knobs.draft_confidence is not None:
-        return knobs.draft_confidence
-    return DEFAULT_DRAFT_CONFIDENCE.get(device_type, 0.0) if knobs.adaptive else 0.0
+    if knobs.draft_confidence is not None or knobs.adaptive:
+        return float(DRAFT_CONFIDENCE.for_device(knobs.draft_confidence, device_type))
+    return 0.0
 
 
 def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool:
@@ -239,9 +262,7 @@ def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool
 
 def resolved_during_prefill(knobs: SpeculationKnobs, device_type: str) -> bool:
     """Whether steps that read a prompt chunk speculate: the knob, else all but the CPU."""
-    if knobs.during_prefill is not None:
-        return knobs.during_prefill
-    return device_type != "cpu"
+    return bool(DURING_PREFILL.for_device(knobs.during_prefill, device_type))
 
 
 class ContractModel(BaseModel):
@@ -300,31 +321,11 @@ class SpeculationKnobs(ContractModel):
     max_depth: int = Field(default=4, ge=1, le=16, description="Max tokens drafted per step.")
     min_depth: int = Field(default=1, ge=1, le=16, description="Min depth for adaptive depth.")
     adaptive: bool = Field(default=True, description="Depth follows the measured acceptance.")
-    draft_confidence: float | None = Field(
-        default=None,
-        ge=0.0,
-        le=1.0,
-        description=(
-            "A request stops drafting in a step once the product of the draft's "
-            "probabilities of its drafts so far is below this (0 disables). Default on "
-            "the CPU with adaptive depth: the break-even acceptance of one more draft "
-            "token from the measured step costs (0.5 until measured); off on CUDA and "
-            "with a fixed depth."
-        ),
-    )
+    draft_confidence: float | None = DRAFT_CONFIDENCE.field(optional=True)
     disable_above_batch_size: int | None = Field(
         default=None, ge=1, description="Pause speculation while the running batch is larger."
     )
-    during_prefill: bool | None = Field(
-        default=None,
-        description=(
-            "Speculate in steps that also read a prompt chunk (chunked prefill). Default: "
-            "on, except on the CPU, where such a step is bound by its arithmetic: there "
-            "the verify tokens slow the prompts' reading about as much as they speed up "
-            "the decoding requests, so the decoding requests take one token per step "
-            "until the waiting prompts are read."
-        ),
-    )
+    during_prefill: bool | None = DURING_PREFILL.field(optional=True)
     acceptance_floor: float = Field(
         default=0.0,
         ge=0.0,
