@@ -26,12 +26,31 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specpair_runtime.config import (
+    BODY_TIMEOUT_SECONDS,
+    CPU_THREADS,
+    CUDA_GRAPH_COMPILE,
+    CUDA_GRAPHS,
+    DRAIN_TIMEOUT_SECONDS,
+    HEADER_TIMEOUT_SECONDS,
+    MAX_BATCH_SIZE,
+    MAX_MODEL_LENGTH,
+    MAX_REQUEST_BODY_BYTES_OPTION,
+    MAX_STEP_TOKENS,
+    MAX_WAITING_REQUESTS,
+    PORT,
+    PREFILL_ORDER,
+    PREFIX_REUSE,
     ContractModel,
     ModelSpec,
     PrefillOrder,
-    ServingOptions,
     SpeculationKnobs,
     describe_validation_error,
+)
+from specpair_runtime.config import (  # the serving options' bounds, with their definitions
+    MAX_REQUEST_BODY_BYTES as MAX_REQUEST_BODY_BYTES,
+)
+from specpair_runtime.config import (
+    MAX_SERVING_TIMEOUT_SECONDS as MAX_SERVING_TIMEOUT_SECONDS,
 )
 from specpair_runtime.golden import GoldenPrompt
 from specpair_runtime.planner import (
@@ -40,15 +59,6 @@ from specpair_runtime.planner import (
     ModelGeometry,
     estimate,
 )
-
-
-def _runtime_default(field: str) -> str:
-    """The runtime's default of a ``ServingOptions`` field, as the CRD's text says it."""
-    value = ServingOptions.model_fields[field].default
-    if isinstance(value, bool):
-        return str(value).lower()
-    return f"{value:g}"
-
 
 GROUP = "specpair.dev"
 VERSION = "v1alpha1"
@@ -96,9 +106,6 @@ LABEL_NAME_PATTERN = r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
 MAX_INLINE_GOLDEN_PROMPTS = 64
 MAX_GOLDEN_PROMPT_LENGTH = 4096
 MAX_INLINE_GOLDEN_BYTES = 256 * 1024  # all inline prompts, as JSON
-# Bounds of the runtime's serving options (CRD-safe, far beyond any sensible value).
-MAX_REQUEST_BODY_BYTES = 2**30
-MAX_SERVING_TIMEOUT_SECONDS = 3600.0
 MAX_DENY_PATTERNS = 64
 MAX_DENY_PATTERN_LENGTH = 1024
 MAX_NEAR_TIE_MARGIN = 100.0
@@ -479,19 +486,16 @@ RUNTIME_SERVING_OPTIONS = (
 
 
 class ServingSpec(ContractModel):
-    """The OpenAI-compatible HTTP server of the runtime."""
+    """The OpenAI-compatible HTTP server of the runtime.
 
-    port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port.")
-    max_batch_size: int = Field(default=8, ge=1, le=1024, description="Max running requests.")
-    max_model_length: int = Field(
-        default=2048, ge=16, le=1048576, description="Prompt plus output tokens per request."
-    )
-    max_waiting_requests: int = Field(
-        default=64,
-        ge=0,
-        le=1000000,
-        description="Queued requests beyond which the server answers 429.",
-    )
+    Each option's default, bounds and text come from its one definition in
+    ``specpair_runtime.config``; the runtime reads the same definitions.
+    """
+
+    port: int = PORT.field(note="It is the container's and the Service's port.", ge=1024)
+    max_batch_size: int = MAX_BATCH_SIZE.field()
+    max_model_length: int = MAX_MODEL_LENGTH.field()
+    max_waiting_requests: int = MAX_WAITING_REQUESTS.field()
     api_key_secret: SecretKeyRef | None = Field(
         default=None,
         description=(
@@ -505,103 +509,24 @@ class ServingSpec(ContractModel):
     )
     # The runtime options below are optional: unset, the runtime's default applies (the
     # descriptions say which) and the revision hash does not see them (revision.py).
-    max_step_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        le=1048576,
-        description=(
-            "Chunked-prefill budget: tokens per engine step over all running requests. "
-            "Decoding streams always get theirs; prompts enter in chunks that fill the rest. "
-            "Smaller keeps inter-token latency flat while prompts arrive, larger gives a "
-            "shorter time to first token. Unset: measured by the runtime, starting at 32 on "
-            "the CPU and 2048 on CUDA, so that a step with prompt chunks takes at most a "
-            "quarter longer than a plain decode step."
-        ),
+    max_step_tokens: int | None = MAX_STEP_TOKENS.field(optional=True)
+    cuda_graphs: bool | None = CUDA_GRAPHS.field(optional=True)
+    cuda_graph_compile: bool | None = CUDA_GRAPH_COMPILE.field(
+        optional=True, note="rollout.startupTimeoutSeconds must cover the compiles."
     )
-    cuda_graphs: bool | None = Field(
-        default=None,
-        description=(
-            "On CUDA, replay decode and verify steps as CUDA graphs, every shape captured "
-            "before the pod turns ready (seconds); ignored on the CPU. "
-            f"Unset: {_runtime_default('cuda_graphs')}."
-        ),
+    prefill_order: PrefillOrder | None = PREFILL_ORDER.field(optional=True)
+    prefix_reuse: bool | None = PREFIX_REUSE.field(optional=True)
+    cpu_threads: int | None = CPU_THREADS.field(
+        optional=True, note="The container's CPU limit is resources.cpu."
     )
-    cuda_graph_compile: bool | None = Field(
-        default=None,
-        description=(
-            "With cudaGraphs: record torch.compile's fused step instead of capturing the "
-            "eager one. Its compiles take minutes before the pod turns ready, which "
-            "rollout.startupTimeoutSeconds must cover. "
-            f"Unset: {_runtime_default('cuda_graph_compile')}."
-        ),
-    )
-    prefill_order: PrefillOrder | None = Field(
-        default=None,
-        description=(
-            "Which waiting prompt reads its chunk first when several are entering: "
-            "shortest-first (the fewest tokens left; each step a prompt waits counts as one "
-            "token read, so a long one is passed by later, shorter ones for at most as many "
-            "steps as it has tokens) or arrival (oldest first: long prompts enter sooner, "
-            "short ones wait behind them). Unset: shortest-first."
-        ),
-    )
-    prefix_reuse: bool | None = Field(
-        default=None,
-        description=(
-            "A new request starts after the longest prefix of its prompt (a shared system "
-            "prompt, an earlier chat turn) whose keys and values a KV slot still holds, so "
-            "its time to first token shrinks by the reused part; usage reports that part as "
-            "prompt_tokens_details.cached_tokens. Turn it off where tenants must not learn "
-            "about each other: with reuse on, a request's time to first token reveals "
-            "whether another request recently sent the same prompt prefix (why vLLM added "
-            f"a cache salt). Unset: {_runtime_default('prefix_reuse')}."
-        ),
-    )
-    cpu_threads: int | None = Field(
-        default=None,
-        ge=1,
-        le=1024,
-        description=(
-            "Threads for the runtime's CPU kernels (1 to 1024). Unset: torch's default (one "
-            "per core the pod sees), capped by the container's CPU limit (resources.cpu), "
-            "so that the pod is not throttled."
-        ),
-    )
-    max_request_body_bytes: int | None = Field(
-        default=None,
-        ge=1024,
-        le=MAX_REQUEST_BODY_BYTES,
-        description=(
-            "Largest request body in bytes (1Ki to 1Gi); larger ones get 413 before they are "
-            "read. Unset: 64Ki + 96 bytes x maxModelLength."
-        ),
-    )
-    header_timeout_seconds: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_SERVING_TIMEOUT_SECONDS,
-        description=(
-            "A request's headers must arrive within this many seconds, else 408 and the "
-            f"connection closes. Unset: {_runtime_default('header_timeout_seconds')}."
-        ),
-    )
-    body_timeout_seconds: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_SERVING_TIMEOUT_SECONDS,
-        description=(
-            "A request's body must arrive within this many seconds, else 408 and the "
-            f"connection closes. Unset: {_runtime_default('body_timeout_seconds')}."
-        ),
-    )
-    drain_timeout_seconds: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_SERVING_TIMEOUT_SECONDS,
-        description=(
-            "On SIGTERM, how long in-flight requests may finish; the pod's "
-            f"terminationGracePeriodSeconds is this, rounded up, plus {SHUTDOWN_SLACK_SECONDS}. "
-            f"Unset: {_runtime_default('drain_timeout_seconds')}."
+    max_request_body_bytes: int | None = MAX_REQUEST_BODY_BYTES_OPTION.field(optional=True)
+    header_timeout_seconds: float | None = HEADER_TIMEOUT_SECONDS.field(optional=True)
+    body_timeout_seconds: float | None = BODY_TIMEOUT_SECONDS.field(optional=True)
+    drain_timeout_seconds: float | None = DRAIN_TIMEOUT_SECONDS.field(
+        optional=True,
+        note=(
+            "The pod's terminationGracePeriodSeconds is this, rounded up, plus "
+            f"{SHUTDOWN_SLACK_SECONDS}."
         ),
     )
     output_filter: OutputFilterSpec | None = Field(

@@ -6,11 +6,12 @@ import pytest
 import torch
 from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
-from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, SpeculationKnobs
+from specpair_runtime.config import DRAFT_CONFIDENCE, PrefillOrder, SpeculationKnobs
 from specpair_runtime.engine import drafter
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
-from specpair_runtime.engine.depth import MIN_VERDICT_STEPS, PREFILL
+from specpair_runtime.engine.cost_model import MIN_VERDICT_STEPS
+from specpair_runtime.engine.depth import PREFILL
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEngine, generate
 
@@ -679,7 +680,7 @@ def test_the_default_stop_follows_the_measured_costs(
 ) -> None:
     """Unset on the CPU with adaptive depth, the threshold is the break-even acceptance."""
     engine = _engine(pair, SpeculationKnobs())
-    assert engine.confidence_threshold(4) == DEFAULT_DRAFT_CONFIDENCE["cpu"]  # unmeasured
+    assert engine.confidence_threshold(4) == DRAFT_CONFIDENCE.per_device["cpu"]  # unmeasured
     (result,) = generate(engine, prompts[:1], GREEDY)
     assert result.token_ids == alone[0]
     measured = engine.controller.cost.break_even_confidence(1, 4)

@@ -54,6 +54,24 @@ class LogitsProcessor(Protocol):
 LogitsProcessorFactory = Callable[[], LogitsProcessor]
 
 
+# What a request's ``seed`` guarantees (the server's API reference, docs/api.md).
+SEED_GUARANTEE = (
+    "A sampled request (temperature above 0) with a seed gets the same output every "
+    "time it is sent with the same prompt and sampling parameters, with the default "
+    "knobs too: whatever the speculation depth, the other requests in the batch, prefix "
+    "reuse and the server's timing. Each output token is the target's own Gumbel-max "
+    "sample of its processed distribution (temperature, top-k, top-p) under noise keyed "
+    "by the seed and the token's position, and the draft proposes with the same noise, "
+    "so the output is what the target alone gives with that seed and follows its "
+    "distribution exactly; a request with a smaller max_tokens gets a prefix of it. On "
+    'the CPU "the same" is token for token. On CUDA it holds up to floating-point '
+    "differences between batch shapes, which can change a token where two are nearly "
+    "tied, as for greedy output. Another pair version, dtype or device may give other "
+    "output. Greedy requests ignore the seed; sampled requests without one draw from "
+    "the server's shared random state and differ from run to run."
+)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature == 0 means greedy."""

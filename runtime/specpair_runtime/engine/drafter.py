@@ -33,6 +33,7 @@ from specpair_runtime.engine.runner import ModelRunner
 from specpair_runtime.engine.sampling import (
     FlatLayout,
     SamplingTensors,
+    coupled_tokens,
     draft_confidence,
     draft_sample,
 )
@@ -153,8 +154,9 @@ class Drafter:
         fitted = process_rows(
             fitted, [(k, 1, rows[i].request.processors, state.proposed[i]) for k, i in processed]
         )
-        generators = [rows[i].request.generator for i in active]
-        drafted, probs = draft_sample(fitted, params, generators)
+        drafted, probs = draft_sample(fitted, params, [None] * len(active))
+        if probs is not None:
+            _couple_seeded(state, active, position, drafted, probs)
         where = device_ids([state.layout.draft_start[i] + position for i in active], self.device)
         state.tokens[where] = drafted
         if probs is not None:
@@ -190,6 +192,18 @@ class Drafter:
             for j, i in enumerate(following)
         ]
         return self.runner.forward(spans, drafted, device_ids(range(len(following)), self.device))
+
+
+def _couple_seeded(
+    state: _Drafting, active: list[int], position: int, drafted: torch.Tensor, probs: torch.Tensor
+) -> None:
+    """Seeded rows propose the Gumbel-max token of q under the noise the target will use."""
+    for k, i in enumerate(active):
+        request = state.rows[i].request
+        seed = request.seed
+        if seed is not None:
+            first = len(request.output_ids) + position
+            drafted[k] = coupled_tokens(probs[k : k + 1], seed, first)[0]
 
 
 def _confidence_stop(

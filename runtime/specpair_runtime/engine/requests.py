@@ -15,11 +15,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from specpair_runtime.engine.api import LogitsProcessor, RequestStats, SamplingParams
 from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
+from specpair_runtime.engine.sampling import is_greedy_temperature
 from specpair_runtime.engine.stopping import OutputStream
 
 
@@ -70,7 +69,6 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     stream: OutputStream
-    generator: torch.Generator | None = None  # only for seeded requests
     processors: tuple[LogitsProcessor, ...] = ()
     stats: RequestStats = field(default_factory=RequestStats)
     output_ids: list[int] = field(default_factory=list)
@@ -101,3 +99,11 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a sampled request: its tokens follow ``sampling.coupled_tokens``.
+
+        A greedy request draws nothing, so its seed does not matter.
+        """
+        return None if is_greedy_temperature(self.params.temperature) else self.params.seed

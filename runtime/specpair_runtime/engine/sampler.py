@@ -12,6 +12,11 @@ Everything stays on the device until ``read``: the step's one device-to-host
 copy of the output tokens ``[R, K + 1]``, the accepted counts ``[R]`` and the
 row health ``[R]`` (the logprobs of rows that asked, queued before it, are
 read right after it).
+
+Greedy rows and seeded rows are verified alike: each verify position has one
+token of the target's (its argmax, or for a seeded row its Gumbel-max token,
+``sampling.coupled_tokens``), and a draft is accepted while it is that
+token. Other sampled rows go through the rejection sampler.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from specpair_runtime.engine.sampling import (
     FlatLayout,
     SamplingTensors,
     StepIndex,
+    coupled_tokens,
     finite_rows,
     greedy_verify,
+    is_greedy_temperature,
     probabilities,
     rejection_sample,
     sanitize,
@@ -65,17 +72,7 @@ def sample(
         probs = probabilities(processed, params)
         position_ok = finite_rows(probs)
         probs = sanitize(probs, position_ok)
-        draft_probs = proposal.probs
-        if draft_probs is None and layout.total_draft:
-            # Greedy drafting rows beside sampled ones: q is one-hot at the draft token.
-            shape = (layout.total_draft, logits.shape[-1])
-            draft_probs = torch.zeros(shape, dtype=torch.float32, device=device).scatter_(
-                1, proposal.tokens[:, None], 1.0
-            )
-        generators = [r.request.generator for r in rows]
-        output, accepted = rejection_sample(
-            proposal.tokens, draft_probs, probs, generators, index, layout
-        )
+        output, accepted = _sample_mixed(rows, layout, index, processed, probs, proposal)
     row_ok = torch.ones(layout.rows, dtype=torch.long, device=device)
     row_ok.scatter_reduce_(0, index.target_row, position_ok.long(), reduce="amin")
     wanted = LogprobRequest.of([row.request.params.logprobs for row in rows])
@@ -85,6 +82,47 @@ def sample(
     return [
         RowResult(committed[r], counts[r], bool(oks[r]), scored.get(r)) for r in range(len(rows))
     ]
+
+
+def _sample_mixed(
+    rows: list[Row],
+    layout: FlatLayout,
+    index: StepIndex,
+    processed: torch.Tensor,
+    probs: torch.Tensor,
+    proposal: Proposal,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output [R, K + 1] and accepted counts [R] of a batch that samples some rows.
+
+    Greedy and seeded rows take the verify of their target tokens; the other
+    rows the rejection sampler.
+    """
+    targets = processed.argmax(dim=-1)
+    exact = [False] * len(rows)
+    for r, row in enumerate(rows):
+        seed = row.request.seed
+        exact[r] = seed is not None or is_greedy_temperature(row.request.params.temperature)
+        if seed is not None:
+            start, width = layout.target_start[r], layout.num_draft[r] + 1
+            first = len(row.request.output_ids)
+            targets[start : start + width] = coupled_tokens(
+                probs[start : start + width], seed, first
+            )
+    output, accepted = greedy_verify(proposal.tokens, targets, index, layout)
+    if all(exact):
+        return output, accepted
+    draft_probs = proposal.probs
+    if draft_probs is None and layout.total_draft:
+        # Greedy drafting rows beside sampled ones: q is one-hot at the draft token.
+        shape = (layout.total_draft, probs.shape[-1])
+        draft_probs = torch.zeros(shape, dtype=torch.float32, device=probs.device).scatter_(
+            1, proposal.tokens[:, None], 1.0
+        )
+    sampled, counts = rejection_sample(
+        proposal.tokens, draft_probs, probs, [None] * len(rows), index, layout
+    )
+    keep = torch.tensor(exact, device=probs.device)
+    return torch.where(keep[:, None], output, sampled), torch.where(keep, accepted, counts)
 
 
 def read(

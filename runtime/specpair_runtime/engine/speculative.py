@@ -20,10 +20,13 @@ Target-only decoding runs through the same forwards and the same kernels, so
 on the CPU greedy speculative output equals greedy target-only output token
 for token (on CUDA, up to floating-point numerics: see the golden check).
 
-Seeds: a request with a seed owns a generator and draws only from it, and
-only as many numbers as its own drafts need, so with a fixed depth it gives
-the same tokens alone or in any batch. Other requests share batched draws
-from torch's global generator (``torch.manual_seed`` makes runs repeatable).
+Seeds: a sampled request with a seed takes at each output position the
+Gumbel-max token of the target's processed distribution under noise keyed
+by (seed, position), and its draft proposes with the same noise
+(``sampling.coupled_tokens``), so its output depends on the seed and the
+target alone: the same whatever the depth, the batch or the timing. Other
+requests share batched draws from torch's global generator
+(``torch.manual_seed`` makes runs repeatable).
 
 Single-threaded: call ``add_request``/``abort``/``step`` from one thread.
 """
@@ -38,11 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpair_runtime.config import (
-    SpeculationKnobs,
-    measured_draft_confidence,
-    resolved_draft_confidence,
-)
+from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import FinishReason, RequestStats, SamplingParams, StepEvent
 from specpair_runtime.engine.budget import StepTiming, draft_catch_up
 from specpair_runtime.engine.commit import advance_prefill, commit_row
@@ -159,10 +158,6 @@ class SpeculativeEngine:
             )
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         stream = OutputStream(
             self.tokenizer,
             prompt_ids,
@@ -170,9 +165,7 @@ class SpeculativeEngine:
             stop=params.stop,
             max_new_tokens=params.max_new_tokens,
         )
-        request = Request(
-            request_id, list(prompt_ids), params, stream, generator, processors_for(params)
-        )
+        request = Request(request_id, list(prompt_ids), params, stream, processors_for(params))
         self._done.pop(request_id, None)
         self.scheduler.waiting.append(request)
 
@@ -217,12 +210,12 @@ class SpeculativeEngine:
             self.scheduler.admit(self.draft_storage_allocated, self._copy_prefix)
             if not self.scheduler.running:
                 return []
-            depth, reason = self._plan_depth()
+            depth, reason, bar = self._plan_depth()
             rows = self.scheduler.plan_rows(depth, drafts_read=depth > 0 or reason == PREFILL)
             self._count_fallback(rows, depth, reason)
             work = _StepWork.of(rows)
             timer = StepTimer(self.device)
-            proposal = self._propose(rows, depth)
+            proposal = self._propose(rows, depth, bar)
             timer.mark()  # the draft is done
             self.last_step_depth = max((r.num_draft for r in rows), default=0)  # after any cut
             sampling = [r for r in rows if r.samples]
@@ -243,19 +236,8 @@ class SpeculativeEngine:
     # ---- speculation state ------------------------------------------------------
 
     def confidence_threshold(self, depth: int) -> float:
-        """The confidence stop's threshold for a step of ``depth`` (0 = off).
-
-        A fixed knob, or, unset with adaptive depth on the CPU, the break-even
-        acceptance of one more draft token from the measured step costs (the
-        device's default until they are measured).
-        """
-        fixed = resolved_draft_confidence(self.knobs, self.device.type)
-        if measured_draft_confidence(self.knobs, self.device.type):
-            batch = max(self.scheduler.decoding_count, 1)  # the controller's key
-            measured = self.controller.cost.break_even_confidence(batch, depth)
-            if measured is not None:
-                return measured
-        return fixed
+        """The confidence stop's bar for a step of ``depth`` now (``depth.py``, rule 3)."""
+        return self.controller.confidence(self.scheduler.decoding_count, depth)
 
     @property
     def speculation_active(self) -> bool:
@@ -314,17 +296,17 @@ class SpeculativeEngine:
 
     # ---- the parts of a step ------------------------------------------------------
 
-    def _plan_depth(self) -> tuple[int, str | None]:
-        """The step's draft depth, and why it is 0 if it is."""
+    def _plan_depth(self) -> tuple[int, str | None, float]:
+        """The step's draft depth, why it is 0 if it is, and the confidence stop's bar."""
         off = self._off()
         if off is not None:
-            return 0, off[1]
+            return 0, off[1], 0.0
         decoding = self.scheduler.decoding_count
         # Only a step without prompt chunks is timed (``_record``). The first
         # prefilling request gets a chunk; with duringPrefill off such a step
         # does not speculate (PREFILL).
         plan = self.controller.plan(max(decoding, 1), timed=decoding == len(self.scheduler.running))
-        return plan.cap, plan.reason
+        return plan.cap, plan.reason, plan.confidence
 
     def _count_fallback(self, rows: list[Row], depth: int, reason: str | None) -> None:
         """Count a target-only step by its reason, where some row decodes in it."""
@@ -335,11 +317,11 @@ class SpeculativeEngine:
         ):
             self.fallback_counts[reason] = self.fallback_counts.get(reason, 0) + 1
 
-    def _propose(self, rows: list[Row], depth: int) -> Proposal:
+    def _propose(self, rows: list[Row], depth: int, bar: float) -> Proposal:
         """The draft's tokens for the step (and its catch-up chunks)."""
         if self.drafter is None or not any(r.draft_tokens for r in rows):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device), None)
-        return self.drafter.propose(rows, depth, self.confidence_threshold(depth))
+        return self.drafter.propose(rows, depth, bar)
 
     def _commit(self, row: Row, result: RowResult) -> StepEvent:
         event = commit_row(row, result)

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from specpair_runtime.engine.api import FinishReason
+from specpair_runtime.engine.api import SEED_GUARANTEE, FinishReason
 from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
 from specpair_runtime.engine.penalties import MAX_LOGIT_BIAS
 from specpair_runtime.server.prompt_inputs import MAX_CHOICES, PromptField
@@ -59,7 +59,7 @@ class _Request(RequestModel):
     max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description=SEED_GUARANTEE)
     stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
     stream: bool = False
