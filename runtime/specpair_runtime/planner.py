@@ -341,6 +341,51 @@ def _fewest_gpus_hint(request: ParallelRequest, smallest: int | None) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    mode: Mode
+    required_bytes: int
+    overhead_bytes: int
+    reason: str
+
+
+def _parallel_verdict(
+    request: ParallelRequest,
+    target_est: ModelEstimate,
+    draft_est: ModelEstimate,
+    problem: str | None,
+    hint: str,
+    split: str,
+) -> _Verdict:
+    """Which of the pair fits per GPU, and why, in words that name the bytes."""
+    usable = _usable(request)
+    reserve_only = _reserve(request.cuda, draft=False)
+    reserve_pair = _reserve(request.cuda, draft=True)
+    target_only = target_est.total_bytes + reserve_only
+    pair = target_est.total_bytes + draft_est.total_bytes + reserve_pair
+    where = "per GPU" if request.cuda else "in the pod"
+    budget = (
+        f"{gib(usable)} usable {where} ({gib(request.device_bytes)} less "
+        f"{request.headroom_fraction:.0%} headroom)"
+    )
+    if problem is not None:
+        return _Verdict("DoesNotFit", pair, reserve_pair, problem + hint)
+    if pair <= usable:
+        reason = f"target and draft fit with {split}: need {gib(pair)} of {budget}"
+        return _Verdict("Colocated", pair, reserve_pair, reason)
+    if target_only <= usable:
+        reason = (
+            f"draft needs {gib(pair - usable)} more with {split}: the pair needs {gib(pair)} "
+            f"but only {budget}; speculation is off{hint}"
+        )
+        return _Verdict("TargetOnly", target_only, reserve_only, reason)
+    reason = (
+        f"target needs {gib(target_only - usable)} more with {split}: it alone needs "
+        f"{gib(target_only)} but only {budget}{hint}"
+    )
+    return _Verdict("DoesNotFit", target_only, reserve_only, reason)
+
+
 def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest) -> Plan:
     """vLLM's layout of the pair: per-GPU memory, tensor parallelism, nodes.
 
@@ -355,63 +400,34 @@ def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: Parallel
     draft_tp = request.draft_tensor_parallel_size
     _check(request)
     target_est, draft_est = _per_gpu(target, draft, request, tp, draft_tp)
-    usable = _usable(request)
     smallest = smallest_tensor_parallel_size(target, draft, request)
     nodes, gpus_per_pod, spread_problem = _nodes(request)
-    reserve_only = _reserve(request.cuda, draft=False)
-    reserve_pair = _reserve(request.cuda, draft=True)
-    target_only = target_est.total_bytes + reserve_only
-    pair = target_est.total_bytes + draft_est.total_bytes + reserve_pair
-    where = "per GPU" if request.cuda else "in the pod"
-    budget = (
-        f"{gib(usable)} usable {where} ({gib(request.device_bytes)} less "
-        f"{request.headroom_fraction:.0%} headroom)"
-    )
-    hint = _fewest_gpus_hint(request, smallest)
-
     layout = ParallelLayout(
         tensor_parallel_size=tp,
         draft_tensor_parallel_size=draft_tp,
         nodes=nodes,
         gpus_per_node=gpus_per_pod,
-        reserve_bytes=reserve_pair,
-        gpu_memory_utilization=math.floor(usable / request.device_bytes * 1000) / 1000,
+        reserve_bytes=_reserve(request.cuda, draft=True),
+        gpu_memory_utilization=math.floor(_usable(request) / request.device_bytes * 1000) / 1000,
         kv_cache_bytes=target_est.kv_cache_bytes + draft_est.kv_cache_bytes,
         smallest_tensor_parallel_size=smallest,
     )
-
-    def result(mode: Mode, required: int, overhead: int, reason: str) -> Plan:
-        return Plan(
-            mode=mode,
-            required_bytes=required,
-            device_bytes=request.device_bytes,
-            headroom_bytes=request.device_bytes - required,
-            reason=reason,
-            target=target_est,
-            draft=draft_est,
-            overhead_bytes=overhead,
-            parallel=layout,
-        )
-
     problem = (
         tensor_parallel_problem(target, tp, "target")
         or tensor_parallel_problem(draft, draft_tp, "draft")
         or spread_problem
     )
-    if problem is not None:
-        return result("DoesNotFit", pair, reserve_pair, problem + hint)
     split = f"TP {tp}" + (f" over {nodes} nodes of {gpus_per_pod} GPUs" if nodes > 1 else "")
-    if pair <= usable:
-        reason = f"target and draft fit with {split}: need {gib(pair)} of {budget}"
-        return result("Colocated", pair, reserve_pair, reason)
-    if target_only <= usable:
-        reason = (
-            f"draft needs {gib(pair - usable)} more with {split}: the pair needs {gib(pair)} "
-            f"but only {budget}; speculation is off{hint}"
-        )
-        return result("TargetOnly", target_only, reserve_only, reason)
-    reason = (
-        f"target needs {gib(target_only - usable)} more with {split}: it alone needs "
-        f"{gib(target_only)} but only {budget}{hint}"
+    hint = _fewest_gpus_hint(request, smallest)
+    verdict = _parallel_verdict(request, target_est, draft_est, problem, hint, split)
+    return Plan(
+        mode=verdict.mode,
+        required_bytes=verdict.required_bytes,
+        device_bytes=request.device_bytes,
+        headroom_bytes=request.device_bytes - verdict.required_bytes,
+        reason=verdict.reason,
+        target=target_est,
+        draft=draft_est,
+        overhead_bytes=verdict.overhead_bytes,
+        parallel=layout,
     )
-    return result("DoesNotFit", target_only, reserve_only, reason)
