@@ -601,7 +601,7 @@ def main() -> int:
     parser.add_argument(
         "--requests-per-stream",
         type=positive_int,
-        default=4,  # per round: each round is the load that one run was before rounds
+        default=4,  # per round: each round sends the whole load
         metavar="N",
         help="at least N; more when needed for every prompt to be sent equally often",
     )
