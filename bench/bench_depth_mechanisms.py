@@ -311,7 +311,7 @@ def variants() -> dict[str, Variant]:
         "no-batch-cap": Variant(
             "no-batch-cap",
             default,
-            ((depth, "batch_depth_cap", lambda b, knobs: knobs.max_depth),),
+            ((depth, "batch_depth_cap", lambda b, knobs: knobs.depth_limit),),
         ),
     }
     for cap in (6, 8, 12, 16):
@@ -323,7 +323,7 @@ def variants() -> dict[str, Variant]:
         chosen[f"no-batch-cap<={cap}"] = Variant(
             f"no-batch-cap<={cap}",
             knobs,
-            ((depth, "batch_depth_cap", lambda b, knobs: knobs.max_depth),),
+            ((depth, "batch_depth_cap", lambda b, knobs: knobs.depth_limit),),
         )
     for k in (1, 2, 3, 4, 5, 6, 8, 10, 12):
         chosen[f"k={k}"] = Variant(

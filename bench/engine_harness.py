@@ -451,7 +451,7 @@ def engine_mode(
     run_request(engine, warm_up_prompt(prompts), warm)  # untimed
     if meter is not None:
         meter.take()
-    depth = knobs.max_depth if knobs is not None else None
+    depth = knobs.depth_limit if knobs is not None else None
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, logits_processors=processors)
     return EngineMode(ModeResult(mode, depth), engine, params, meter)
 
@@ -592,7 +592,7 @@ def _one_round(
         engines.append(engine_mode(pair, name, knobs, prompts, settings))
     if settings.adaptive:
         default = SpeculationKnobs()
-        name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})"
+        name = f"{DEFAULT_MODE} (adaptive<={default.depth_limit})"
         engines.append(engine_mode(pair, name, default, prompts, settings))
         engines.append(
             engine_mode(
@@ -601,7 +601,7 @@ def _one_round(
         )
     if grammar is not None:
         default = SpeculationKnobs()
-        name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})" + JSON_SUFFIX
+        name = f"{DEFAULT_MODE} (adaptive<={default.depth_limit})" + JSON_SUFFIX
         target = TARGET_ONLY + JSON_SUFFIX
         engines.append(engine_mode(pair, target, None, prompts, settings, grammar=grammar))
         engines.append(engine_mode(pair, name, default, prompts, settings, grammar=grammar))

@@ -24,6 +24,7 @@ from specpair_operator.api import (
     SpeculativePairSpec,
     Toleration,
 )
+from specpair_operator.engines.vllm_args import speculative_tokens
 from specpair_runtime.planner import ModelGeometry, ParallelRequest, Plan, plan, plan_parallel
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
@@ -206,7 +207,7 @@ def parallel_request(
         device_bytes=device_bytes,
         headroom_fraction=spec.resources.headroom_fraction,
         gpus_per_node=per_node,
-        speculative_tokens=spec.speculation.max_depth,
+        speculative_tokens=speculative_tokens(spec),
         cuda=cuda,
     )
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, get_args
 
+from specpair_runtime.config import MAX_DEPTH as DEFAULT_DEPTH
 from specpair_runtime.config import ConfigError, ModelSpec, Quantization, SpeculationKnobs
 from specpair_runtime.openmp import apply_openmp_defaults
 from specpair_runtime.termination import write_termination_message
@@ -173,7 +174,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, draft_required: bool) 
 def add_speculation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculation")
     group.add_argument(
-        "--depth", type=depth, default=4, metavar="K", help="max tokens drafted per step (1-16)"
+        "--depth",
+        type=depth,
+        default=None,
+        metavar="K",
+        help=f"max tokens drafted per step (1-16; default {DEFAULT_DEPTH.default})",
     )
     group.add_argument(
         "--fixed-depth", action="store_true", help="always draft --depth tokens (no adaptive depth)"
@@ -220,7 +225,7 @@ def model_specs(
 def knobs_from(args: argparse.Namespace) -> SpeculationKnobs:
     return SpeculationKnobs(
         max_depth=args.depth,
-        min_depth=args.depth if args.fixed_depth else 1,
+        min_depth=(args.depth or DEFAULT_DEPTH.default) if args.fixed_depth else 1,
         adaptive=not args.fixed_depth,
         draft_confidence=args.draft_confidence,
     )
@@ -480,7 +485,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     bench.add_argument("--plot", type=output_png, metavar="FILE.png", help="tokens/s per depth")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.set_defaults(handler=cmd_bench, depth=4, fixed_depth=False, draft_confidence=None)
+    bench.set_defaults(handler=cmd_bench, depth=None, fixed_depth=False, draft_confidence=None)
 
 
 def configure_logging(verbosity: int) -> None:

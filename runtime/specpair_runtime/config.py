@@ -212,6 +212,18 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
     return "int4-weight" if device_type == "cpu" else "none"
 
 
+# 8 on the bundled runtime: its cost cap (engine/depth.py) drafts that deep only where
+# the measured acceptance pays for it, and on the demo pair 8 beat 4 alone and at 3 rows
+# (docs/architecture.md). vLLM drafts the same number every step, so it gets 4 unset.
+MAX_DEPTH = Option(
+    "Max tokens drafted per step.",
+    8,
+    unset=(
+        "8 on the bundled runtime, whose adaptive depth drafts that deep only where the "
+        "acceptance pays for it; 4 with engine vllm, which drafts that many every step"
+    ),
+    bounds={"ge": 1, "le": 16},
+)
 # The draft-confidence stop (transformers' assisted generation stops drafting at 0.4 by
 # default) is off unless set: on the CPU, with the adaptive depth below, a measured
 # break-even bar made the engine no faster with a good draft and no faster with a bad one
@@ -301,7 +313,7 @@ class SpeculationKnobs(ContractModel):
     """Knobs the runtime applies live, without a restart."""
 
     enabled: bool = Field(default=True, description="Speculate at all.")
-    max_depth: int = Field(default=4, ge=1, le=16, description="Max tokens drafted per step.")
+    max_depth: int | None = MAX_DEPTH.field(optional=True)
     min_depth: int = Field(default=1, ge=1, le=16, description="Min depth for adaptive depth.")
     adaptive: bool = Field(default=True, description="Depth follows the measured acceptance.")
     draft_confidence: float | None = DRAFT_CONFIDENCE.field(optional=True)
@@ -325,10 +337,17 @@ class SpeculationKnobs(ContractModel):
         description="Above this fraction of device memory in use, stop speculating.",
     )
 
+    @property
+    def depth_limit(self) -> int:
+        """``maxDepth``, or the bundled runtime's default where it is unset."""
+        return self.max_depth if self.max_depth is not None else MAX_DEPTH.default
+
     @model_validator(mode="after")
     def _depth_order(self) -> SpeculationKnobs:
-        if self.min_depth > self.max_depth:
-            raise ValueError(f"minDepth ({self.min_depth}) must be <= maxDepth ({self.max_depth})")
+        if self.min_depth > self.depth_limit:
+            raise ValueError(
+                f"minDepth ({self.min_depth}) must be <= maxDepth ({self.depth_limit})"
+            )
         return self
 
 

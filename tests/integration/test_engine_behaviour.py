@@ -545,7 +545,7 @@ def test_a_measured_budget_probes_its_first_mixed_step_with_the_floor(
     _drain(engine, outputs)
     assert _last_kind(engine) == "mixed"
     assert [tokens for tokens, _ in engine.budget.extra] == [MIN_PREFILL_CHUNK]
-    assert start - 2 * (1 + FIXED.max_depth) > MIN_PREFILL_CHUNK  # the guess left more
+    assert start - 2 * (1 + FIXED.depth_limit) > MIN_PREFILL_CHUNK  # the guess left more
 
 
 @pytest.mark.parametrize("order", ["shortest-first", "arrival"])

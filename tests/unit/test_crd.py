@@ -10,6 +10,7 @@ import kubernetes_validate
 import yaml
 
 from specpair_operator import api, crd
+from specpair_runtime.config import MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "specpair.dev_speculativepairs.yaml"
@@ -78,9 +79,9 @@ def test_defaults_enums_and_ranges() -> None:
     ]
     spec_knobs = props["speculation"]
     assert spec_knobs["default"] == {}  # so that the nested defaults apply
+    # No schema default: unset, each engine takes its own (config.MAX_DEPTH).
     assert spec_knobs["properties"]["maxDepth"] == {
-        "default": 4,
-        "description": "Max tokens drafted per step.",
+        "description": "Max tokens drafted per step. Unset: " + MAX_DEPTH.default_text() + ".",
         "maximum": 16,
         "minimum": 1,
         "type": "integer",

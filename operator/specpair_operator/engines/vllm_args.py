@@ -66,13 +66,26 @@ def model_reference(model: PairModel) -> tuple[str, str | None]:
     return source, None
 
 
+# vLLM drafts the same number of tokens in every step (it has no adaptive depth), so
+# an unset maxDepth gives it 4, the depth its draft-model examples use, and not the
+# bundled runtime's 8, which that runtime cuts where acceptance is low
+# (config.MAX_DEPTH says both).
+VLLM_SPECULATIVE_TOKENS = 4
+
+
+def speculative_tokens(spec: SpeculativePairSpec) -> int:
+    """vLLM's ``num_speculative_tokens``: ``maxDepth`` where it is set."""
+    depth = spec.speculation.max_depth
+    return depth if depth is not None else VLLM_SPECULATIVE_TOKENS
+
+
 def depth_table(spec: SpeculativePairSpec) -> list[list[int]] | None:
     """vLLM's depth by batch size, where the knobs give one."""
     above = spec.speculation.disable_above_batch_size
     largest = spec.serving.max_batch_size
     if above is None or above >= largest:
         return None
-    return [[1, above, spec.speculation.max_depth], [above + 1, largest, 0]]
+    return [[1, above, speculative_tokens(spec)], [above + 1, largest, 0]]
 
 
 def speculative_config(spec: SpeculativePairSpec, tensor_parallel_size: int) -> dict[str, Any]:
@@ -80,7 +93,7 @@ def speculative_config(spec: SpeculativePairSpec, tensor_parallel_size: int) -> 
     config: dict[str, Any] = {
         "method": "draft_model",
         "model": draft,
-        "num_speculative_tokens": spec.speculation.max_depth,
+        "num_speculative_tokens": speculative_tokens(spec),
         "draft_tensor_parallel_size": max(tensor_parallel_size, 1),
     }
     if revision:

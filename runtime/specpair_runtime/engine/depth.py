@@ -70,7 +70,7 @@ def batch_depth_cap(batch_size: int, knobs: SpeculationKnobs) -> int:
     if knobs.disable_above_batch_size is not None and batch_size > knobs.disable_above_batch_size:
         return 0
     halvings = max(batch_size, 1).bit_length() - 1
-    return max(knobs.min_depth, knobs.max_depth >> halvings)
+    return max(knobs.min_depth, knobs.depth_limit >> halvings)
 
 
 @dataclass
