@@ -151,6 +151,67 @@ def _without_replicas(desired: Manifest) -> Manifest:
     return {**desired, "spec": spec}
 
 
+@dataclass
+class _Pass:
+    """One pass over one pair: its inputs, read once, and what it did."""
+
+    kube: Kube
+    store: Store
+    body: Obj
+    emit: EmitEvent
+    now: datetime
+    checker: refs.Checker
+    pair: PairRef
+    generation: int
+    previous: dict[str, Any]
+    annotations: dict[str, Any]
+    result: Result = field(default_factory=Result)
+
+    @classmethod
+    def of(
+        cls,
+        kube: Kube,
+        store: Store,
+        body: Obj,
+        emit: EmitEvent,
+        now: datetime,
+        checker: refs.Checker,
+    ) -> _Pass:
+        meta = body["metadata"]
+        return cls(
+            kube,
+            store,
+            body,
+            emit,
+            now,
+            checker,
+            PairRef.from_body(body),
+            int(meta.get("generation", 1)),
+            dict(body.get("status") or {}),
+            dict(meta.get("annotations") or {}),
+        )
+
+    def deployment(self) -> Obj | None:
+        return self.store.peek(DEPLOYMENT, self.pair.namespace, self.pair.name)
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        _write_status(self.kube, self.store, self.pair, self.body, status, self.emit, self.result)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where the spec leads: the placement, the revision, and whether it is held."""
+
+    placed: inventory.Placement
+    speculate: bool
+    revision: str
+    held: bool  # failed and rolled back: not rolled out again
+
+    @property
+    def fits(self) -> bool:
+        return self.placed.plan is None or self.placed.plan.mode != "DoesNotFit"
+
+
 def reconcile(
     kube: Kube,
     store: Store,
@@ -165,108 +226,165 @@ def reconcile(
     Reads come from ``store``; the API server sees only writes, plus one GET
     per referenced Secret/ConfigMap before pods roll out (`references.Checker`).
     """
-    now = now or datetime.now(UTC)
-    checker = checker or refs.Checker()
-    pair = PairRef.from_body(body)
-    generation = int(body["metadata"].get("generation", 1))
-    previous: dict[str, Any] = dict(body.get("status") or {})
-    annotations = body["metadata"].get("annotations") or {}
-    result = Result()
-
-    def deployment() -> Obj | None:
-        return store.peek(DEPLOYMENT, pair.namespace, pair.name)
-
+    run = _Pass.of(kube, store, body, emit, now or datetime.now(UTC), checker or refs.Checker())
     try:
         spec = parse_pair(body)  # the name too: v1.20 skips the CEL rule on metadata.name
     except SpecError as error:
-        # Leave every child as it is: a bad edit must not take down a serving pair.
-        obs = Observation(
-            generation,
-            previous.get("currentRevision"),
-            None,
-            None,
-            deployment(),
-            spec_error=str(error),
-        )
-        _write_status(kube, store, pair, body, build_status(obs, previous, now=now), emit, result)
-        result.settled = not result.writes
-        return result
-
-    good = previous.get("currentRevision")
-    placed = inventory.decide(
-        spec,
-        headroom.device_memory(spec, _nodes(store, spec)),
-        previous.get("placement"),
-        serving=good is not None,
-        confirm=annotations.get(inventory.CONFIRM_ANNOTATION),
+        return _report_invalid_spec(run, str(error))
+    target = _target(run, spec)
+    missing = _apply_children(run, spec, target) if target.fits else []
+    dep, held, failure = _check_rollout(run, spec, target)
+    status = build_status(
+        _observation(run, spec, target, dep, held, failure, missing), run.previous, now=run.now
     )
-    device, plan = placed.device, placed.plan
-    speculate = plan is None or plan.mode == "Colocated"
-    revision = compute_revision(spec, draft_loaded=speculate)
-    # A revision that failed and was rolled back is not rolled out again.
-    held = annotations.get(FAILED_REVISION_ANNOTATION) == revision
-    missing: list[str] = []
-    if plan is None or plan.mode != "DoesNotFit":
-        config_map, service, wanted = _children(pair, spec, generation, revision, speculate)
-        for child in (config_map, service):
-            _apply(kube, store, pair, child, result)
-        if not held:
-            # The Deployment last: its pods mount the ConfigMap above.
-            live = deployment()
-            if live is not None and external_replicas(body):
-                wanted = _without_replicas(wanted)
-            changes = live is None or bool(differences(wanted, live))
-            if changes or not serving_at(live or {}, revision) or _was_missing(previous):
-                force = changes or _was_missing(previous)
-                missing = _forbidden_is_none(
-                    lambda: checker.missing(
-                        kube,
-                        pair.namespace,
-                        pair.uid,
-                        generation,
-                        refs.references(spec),
-                        force=force,
-                    ),
-                    [],
-                    "get the Secrets and ConfigMaps the pair names",
-                )
-            if not missing:
-                _apply(kube, store, pair, wanted, result)
-    dep = deployment()
-    failure = (find(previous.get("revisions") or [], revision) or {}).get("message")
-    if dep is not None and good and good != revision and not held:
-        rolling: Obj = dep
-        hard, why = _new_pods_failure(store, pair, rolling, revision)
-        if hard or rollout_failed(dep, revision):
-            failure = why if hard and why else _deadline_message(spec, why)
-            held = _roll_back(kube, store, pair, body, dep, good, revision, failure, emit, result)
-            dep = deployment()
-    obs = Observation(
-        generation,
-        revision,
-        plan,
-        device,
-        dep,
-        gpus=spec.resources.gpus,
-        held_revision=revision if held else None,
-        failure_message=failure if held else None,
-        version=spec.version,
-        drift_tolerance=spec.acceptance_drift.tolerance,
-        knobs=builders.knobs_in_force(spec, speculate=speculate),
-        missing_references=tuple(missing),
-        placement_pending=placed.pending,
-    )
-    status = build_status(obs, previous, now=now)
-    _write_status(kube, store, pair, body, status, emit, result)
+    run.write_status(status)
     _forbidden_is_none(
-        lambda: _collect_config_maps(kube, store, pair, status, revision, result),
+        lambda: _collect_config_maps(kube, store, run.pair, status, target.revision, run.result),
         None,
         "delete ConfigMaps (to collect old revisions)",
     )
+    run.result.settled = _settled(run, spec, target.revision, dep, held, missing)
+    return run.result
+
+
+def _report_invalid_spec(run: _Pass, error: str) -> Result:
+    """Only the status: a bad edit must not take down a serving pair, so no child changes."""
+    obs = Observation(
+        run.generation,
+        run.previous.get("currentRevision"),
+        None,
+        None,
+        run.deployment(),
+        spec_error=error,
+    )
+    run.write_status(build_status(obs, run.previous, now=run.now))
+    run.result.settled = not run.result.writes
+    return run.result
+
+
+def _target(run: _Pass, spec: SpeculativePairSpec) -> _Target:
+    """The placement (from the spec, the nodes and what serves), the revision, the hold."""
+    placed = inventory.decide(
+        spec,
+        headroom.device_memory(spec, _nodes(run.store, spec)),
+        run.previous.get("placement"),
+        serving=run.previous.get("currentRevision") is not None,
+        confirm=run.annotations.get(inventory.CONFIRM_ANNOTATION),
+    )
+    plan = placed.plan
+    speculate = plan is None or plan.mode == "Colocated"
+    revision = compute_revision(spec, draft_loaded=speculate)
+    held = run.annotations.get(FAILED_REVISION_ANNOTATION) == revision
+    return _Target(placed, speculate, revision, held)
+
+
+def _apply_children(run: _Pass, spec: SpeculativePairSpec, target: _Target) -> list[str]:
+    """ConfigMap and Service, then the Deployment unless a reference it needs is missing.
+
+    Returns the missing references (empty when the Deployment was applied or held).
+    """
+    config_map, service, wanted = _children(
+        run.pair, spec, run.generation, target.revision, target.speculate
+    )
+    for child in (config_map, service):
+        _apply(run.kube, run.store, run.pair, child, run.result)
+    if target.held:
+        return []
+    # The Deployment last: its pods mount the ConfigMap above.
+    live = run.deployment()
+    if live is not None and external_replicas(run.body):
+        wanted = _without_replicas(wanted)
+    missing = _missing_references(run, spec, target.revision, live, wanted)
+    if not missing:
+        _apply(run.kube, run.store, run.pair, wanted, run.result)
+    return missing
+
+
+def _missing_references(
+    run: _Pass, spec: SpeculativePairSpec, revision: str, live: Obj | None, wanted: Manifest
+) -> list[str]:
+    """The Secrets and ConfigMaps the pods need and do not find, checked before pods roll."""
+    changes = live is None or bool(differences(wanted, live))
+    was_missing = _was_missing(run.previous)
+    if not (changes or not serving_at(live or {}, revision) or was_missing):
+        return []
+    return _forbidden_is_none(
+        lambda: run.checker.missing(
+            run.kube,
+            run.pair.namespace,
+            run.pair.uid,
+            run.generation,
+            refs.references(spec),
+            force=changes or was_missing,
+        ),
+        [],
+        "get the Secrets and ConfigMaps the pair names",
+    )
+
+
+def _check_rollout(
+    run: _Pass, spec: SpeculativePairSpec, target: _Target
+) -> tuple[Obj | None, bool, str | None]:
+    """A new revision over a serving one: roll it back when it failed for good.
+
+    Returns the Deployment as it now is, whether the revision is held, and the
+    failure message of the revision (from this pass, or from its history).
+    """
+    dep = run.deployment()
+    good = run.previous.get("currentRevision")
+    revision, held = target.revision, target.held
+    failure = (find(run.previous.get("revisions") or [], revision) or {}).get("message")
+    if dep is None or not good or good == revision or held:
+        return dep, held, failure
+    hard, why = _new_pods_failure(run.store, run.pair, dep, revision)
+    if not (hard or rollout_failed(dep, revision)):
+        return dep, held, failure
+    failure = why if hard and why else _deadline_message(spec, why)
+    held = _roll_back(
+        run.kube, run.store, run.pair, run.body, dep, good, revision, failure, run.emit, run.result
+    )
+    return run.deployment(), held, failure
+
+
+def _observation(
+    run: _Pass,
+    spec: SpeculativePairSpec,
+    target: _Target,
+    dep: Obj | None,
+    held: bool,
+    failure: str | None,
+    missing: list[str],
+) -> Observation:
+    return Observation(
+        run.generation,
+        target.revision,
+        target.placed.plan,
+        target.placed.device,
+        dep,
+        gpus=spec.resources.gpus,
+        held_revision=target.revision if held else None,
+        failure_message=failure if held else None,
+        version=spec.version,
+        drift_tolerance=spec.acceptance_drift.tolerance,
+        knobs=builders.knobs_in_force(spec, speculate=target.speculate),
+        missing_references=tuple(missing),
+        placement_pending=target.placed.pending,
+    )
+
+
+def _settled(
+    run: _Pass,
+    spec: SpeculativePairSpec,
+    revision: str,
+    dep: Obj | None,
+    held: bool,
+    missing: list[str],
+) -> bool:
+    """Whether a pass over the same objects would do nothing, waiting on nothing unwatched."""
+    good = run.previous.get("currentRevision")
     rolling_over_serving = dep is not None and bool(good) and good != revision and not held
     unchecked_references = bool(refs.references(spec)) and not serving_at(dep or {}, revision)
-    result.settled = not (result.writes or missing or rolling_over_serving or unchecked_references)
-    return result
+    return not (run.result.writes or missing or rolling_over_serving or unchecked_references)
 
 
 _CHILDREN_CACHE_SIZE = 4096

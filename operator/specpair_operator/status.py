@@ -202,57 +202,81 @@ def _workload(
     obs: Observation, previous: Mapping[str, Any], current: str | None, serving_version: str | None
 ) -> list[ConditionUpdate]:
     """Ready, Progressing and Degraded from the Deployment."""
-    dep = obs.deployment
     if obs.spec_error is not None:
-        # Ready too: GitOps tools (kstatus) read a pair without a Ready condition as ready.
-        where = f"; version {serving_version} still serves" if serving_version else ""
-        return [
-            ConditionUpdate(READY, "False", "InvalidSpec", f"the spec is invalid{where}"),
-            ConditionUpdate(DEGRADED, "True", "InvalidSpec", obs.spec_error),
-            ConditionUpdate(PROGRESSING, "False", "InvalidSpec", "fix the spec to continue"),
-        ]
+        return _invalid_spec(obs.spec_error, serving_version)
     if obs.plan is not None and obs.plan.mode == "DoesNotFit":
-        message = (
-            f"{obs.plan.reason}; required {obs.plan.required_bytes} bytes "
-            f"({gib(obs.plan.required_bytes)}), device {obs.plan.device_bytes} bytes "
-            f"({gib(obs.plan.device_bytes)}); no Deployment is created"
-        )
-        ups = [
-            ConditionUpdate(DEGRADED, "True", "DoesNotFit", message),
-            ConditionUpdate(PROGRESSING, "False", "DoesNotFit", "the target does not fit the GPU"),
-        ]
-        if dep is None:
-            ups.append(ConditionUpdate(READY, "False", "DoesNotFit", "no Deployment"))
-        else:
-            ups.append(_ready(obs, current, serving_version))
-        return ups
-    if dep is None:
-        if obs.missing_references:
-            message = "; ".join(obs.missing_references) + (
-                "; the pods cannot start without it, so no pods are created until it exists"
-            )
-            return [
-                ConditionUpdate(READY, "False", "MissingReference", message),
-                ConditionUpdate(PROGRESSING, "False", "MissingReference", message),
-                ConditionUpdate(DEGRADED, "True", "MissingReference", message),
-            ]
-        return [
-            ConditionUpdate(
-                READY, "False", "DeploymentMissing", "the Deployment is not created yet"
-            ),
-            ConditionUpdate(PROGRESSING, "True", "Creating", "creating the Deployment"),
-            ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
-        ]
+        return _does_not_fit(obs, obs.plan, current, serving_version)
+    if obs.deployment is None:
+        return _no_deployment(obs)
     ready = _ready(obs, current, serving_version)
+    stopped = _rollout_stopped(obs, obs.deployment)
+    if stopped is not None:
+        return [ready, *stopped]
+    return [ready, _progressing(obs), _drift(obs, previous)]
+
+
+def _invalid_spec(error: str, serving_version: str | None) -> list[ConditionUpdate]:
+    # Ready too: GitOps tools (kstatus) read a pair without a Ready condition as ready.
+    where = f"; version {serving_version} still serves" if serving_version else ""
+    return [
+        ConditionUpdate(READY, "False", "InvalidSpec", f"the spec is invalid{where}"),
+        ConditionUpdate(DEGRADED, "True", "InvalidSpec", error),
+        ConditionUpdate(PROGRESSING, "False", "InvalidSpec", "fix the spec to continue"),
+    ]
+
+
+def _does_not_fit(
+    obs: Observation, plan: Plan, current: str | None, serving_version: str | None
+) -> list[ConditionUpdate]:
+    """The target alone does not fit: nothing is created; a serving Deployment stays."""
+    message = (
+        f"{plan.reason}; required {plan.required_bytes} bytes ({gib(plan.required_bytes)}), "
+        f"device {plan.device_bytes} bytes ({gib(plan.device_bytes)}); no Deployment is created"
+    )
+    ready = (
+        ConditionUpdate(READY, "False", "DoesNotFit", "no Deployment")
+        if obs.deployment is None
+        else _ready(obs, current, serving_version)
+    )
+    return [
+        ConditionUpdate(DEGRADED, "True", "DoesNotFit", message),
+        ConditionUpdate(PROGRESSING, "False", "DoesNotFit", "the target does not fit the GPU"),
+        ready,
+    ]
+
+
+def _missing_message(obs: Observation, what: str) -> str:
+    return "; ".join(obs.missing_references) + (
+        f"; the pods cannot start without it, so no pods are {what} until it exists"
+    )
+
+
+def _no_deployment(obs: Observation) -> list[ConditionUpdate]:
     if obs.missing_references:
-        message = "; ".join(obs.missing_references) + (
-            "; the pods cannot start without it, so no pods are rolled out until it exists"
-        )
+        message = _missing_message(obs, "created")
         return [
-            ready,
+            ConditionUpdate(READY, "False", "MissingReference", message),
             ConditionUpdate(PROGRESSING, "False", "MissingReference", message),
             ConditionUpdate(DEGRADED, "True", "MissingReference", message),
         ]
+    return [
+        ConditionUpdate(READY, "False", "DeploymentMissing", "the Deployment is not created yet"),
+        ConditionUpdate(PROGRESSING, "True", "Creating", "creating the Deployment"),
+        ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
+    ]
+
+
+def _rollout_stopped(
+    obs: Observation, dep: Mapping[str, Any]
+) -> tuple[ConditionUpdate, ConditionUpdate] | None:
+    """Progressing and Degraded when the rollout cannot go on: a missing reference,
+    a rolled-back revision, or the Deployment's progress deadline; None otherwise."""
+    if obs.missing_references:
+        message = _missing_message(obs, "rolled out")
+        return (
+            ConditionUpdate(PROGRESSING, "False", "MissingReference", message),
+            ConditionUpdate(DEGRADED, "True", "MissingReference", message),
+        )
     if obs.held_revision is not None:
         why = obs.failure_message or (
             "it did not become ready within rollout.progressDeadlineSeconds"
@@ -261,20 +285,18 @@ def _workload(
             f"revision {obs.held_revision} failed and was rolled back to the last good "
             f"revision: {why}; change the spec to try a new revision"
         )
-        return [
-            ready,
+        return (
             ConditionUpdate(PROGRESSING, "False", "RolledBack", message),
             ConditionUpdate(DEGRADED, "True", "RolloutFailed", message),
-        ]
+        )
     progressing_dep = _deployment_condition(dep, "Progressing")
     if progressing_dep is not None and progressing_dep.get("reason") == "ProgressDeadlineExceeded":
         message = f"revision {obs.revision}: {progressing_dep.get('message', '')}".strip()
-        return [
-            ready,
+        return (
             ConditionUpdate(PROGRESSING, "False", "ProgressDeadlineExceeded", message),
             ConditionUpdate(DEGRADED, "True", "ProgressDeadlineExceeded", message),
-        ]
-    return [ready, _progressing(obs), _drift(obs, previous)]
+        )
+    return None
 
 
 def _drift(obs: Observation, previous: Mapping[str, Any]) -> ConditionUpdate:
