@@ -253,7 +253,7 @@ class Bench:
         try:
             kubectl = [str(self.binaries.kubectl), "--kubeconfig", str(self.plane.kubeconfig_path)]
             subprocess.run(
-                [*kubectl, "apply", "--validate=warn", "-f", str(REPO / "crds")],
+                [*kubectl, "apply", "--validate=false", "-f", str(REPO / "crds")],
                 check=True,
                 capture_output=True,
             )

@@ -18,6 +18,7 @@ ACCEPTED = "specpair_accepted_tokens_total"
 STEPS = "specpair_speculation_steps_total"
 ENABLED = "specpair_speculation_enabled"
 FALLBACK = "specpair_fallback_total"
+GENERATED = "specpair_generated_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class PodSample:
     steps: float = 0.0
     speculating: bool = True
     fallbacks: Mapping[str, float] = field(default_factory=dict)
+    generated: float = 0.0  # verified tokens committed, speculating or not
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Window:
     drafted: int
     accepted: int
     steps: int
+    generated: int = 0
 
     @property
     def rate(self) -> float:
@@ -46,6 +49,18 @@ class Window:
     @property
     def mean_accepted_length(self) -> float:
         return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def speculated_share(self) -> float | None:
+        """Share of the generated tokens that came from speculating steps (None: none).
+
+        A request's speculating step commits its accepted drafts plus the target's
+        own token; every other step of it (target-only: a fallback, the runtime's
+        cost model finding the draft not paying, a step that reads a prompt) one.
+        """
+        if not self.generated:
+            return None
+        return min(1.0, (self.steps + self.accepted) / self.generated)
 
 
 def _labels(series: str) -> dict[str, str]:
@@ -75,7 +90,7 @@ def parse_metrics(text: str) -> PodSample:
         if name == FALLBACK:
             reason = _labels(series).get("reason", "unknown")
             fallbacks[reason] = fallbacks.get(reason, 0.0) + value
-        elif name in (DRAFTED, ACCEPTED, STEPS, ENABLED):
+        elif name in (DRAFTED, ACCEPTED, STEPS, ENABLED, GENERATED):
             values[name] = values.get(name, 0.0) + value
     return PodSample(
         drafted=values.get(DRAFTED, 0.0),
@@ -83,6 +98,7 @@ def parse_metrics(text: str) -> PodSample:
         steps=values.get(STEPS, 0.0),
         speculating=values.get(ENABLED, 1.0) >= 1.0,
         fallbacks=fallbacks,
+        generated=values.get(GENERATED, 0.0),
     )
 
 
@@ -92,13 +108,14 @@ def _delta(now: float, anchor: float) -> float:
 
 def window(anchors: Mapping[str, PodSample], samples: Mapping[str, PodSample]) -> Window:
     """The interval from ``anchors`` to ``samples``; a pod without an anchor counts from 0."""
-    drafted = accepted = steps = 0.0
+    drafted = accepted = steps = generated = 0.0
     for pod, sample in samples.items():
         anchor = anchors.get(pod, PodSample())
         drafted += _delta(sample.drafted, anchor.drafted)
         accepted += _delta(sample.accepted, anchor.accepted)
         steps += _delta(sample.steps, anchor.steps)
-    return Window(int(drafted), int(accepted), int(steps))
+        generated += _delta(sample.generated, anchor.generated)
+    return Window(int(drafted), int(accepted), int(steps), int(generated))
 
 
 def settled(win: Window, min_drafted_tokens: int) -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import api, conditions, metrics
+from specpair_operator import api, conditions, metrics, pruning
 from specpair_operator.builders import REVISION_LABEL
 from specpair_operator.events import post_event
 from specpair_operator.headroom import GPU_MEMORY_LABEL, node_usable
@@ -144,6 +144,8 @@ class Controller:
         self._node_changes = 0
         self._settled: dict[Key, tuple[int, int]] = {}
         self._resyncs = 0
+        # Per pair uid: a hash of the last-applied annotation checked, and its pruned fields.
+        self._pruned: dict[str, tuple[int, tuple[str, ...]]] = {}
         if leader is not None:
             leader.on_started = lambda: self.enqueue_all("leader")
 
@@ -305,6 +307,7 @@ class Controller:
         def emit(type_: str, reason: str, message: str) -> None:
             post_event(self.kube, body, type_, reason, message)
 
+        self._warn_pruned(body, emit)
         mark = self.mark(key)
         try:
             result = reconcile(self.kube, self.store, body, emit, checker=self.references)
@@ -327,6 +330,22 @@ class Controller:
         metrics.RECONCILES.labels(trigger=why, result="ok").inc()
         if result.writes:
             log.info(f"{why} {key[0]}/{key[1]}: {', '.join(result.writes)}")
+
+    def _warn_pruned(self, body: Obj, emit: Callable[[str, str, str], None]) -> None:
+        """One Warning Event when the last ``kubectl apply`` lost fields to pruning."""
+        meta = body["metadata"]
+        applied = hash(str((meta.get("annotations") or {}).get(pruning.LAST_APPLIED) or ""))
+        uid = str(meta.get("uid"))
+        with self._why_lock:
+            seen = self._pruned.get(uid)
+        if seen is not None and seen[0] == applied:
+            return  # this apply was checked already
+        fields = tuple(pruning.pruned_fields(body))
+        with self._why_lock:
+            self._pruned[uid] = (applied, fields)
+        if fields and (seen is None or seen[1] != fields):
+            log.warning(f"{meta['namespace']}/{meta['name']}: pruned {', '.join(fields)}")
+            emit("Warning", "FieldsPruned", pruning.warning(list(fields)))
 
     def _report_failure(self, body: Obj, error: BaseException) -> None:
         """A failure retrying will not fix: Degraded and a Warning Event, once."""

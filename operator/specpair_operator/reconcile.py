@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import builders, conditions, headroom, inventory, pods
+from specpair_operator import builders, conditions, effectiveness, headroom, inventory, pods
 from specpair_operator import references as refs
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_pair
 from specpair_operator.builders import REVISION_LABEL, Manifest, PairRef
@@ -124,19 +124,25 @@ def _nodes(store: Store, spec: SpeculativePairSpec) -> list[Obj]:
 
 
 def _emit_transitions(before: list[Any], after: list[Any], emit: EmitEvent) -> None:
-    """Events only on a condition's status change, so an unchanged pass posts none."""
+    """Events only on a condition's status change, so an unchanged pass posts none.
+
+    SpeculationEffective also on a change of reason: the runtime falling back
+    is news even when the draft was already known not to help.
+    """
     for cond in after:
-        kind = str(cond["type"])
-        if not conditions.transitioned(before, after, kind):
+        kind, status, reason = str(cond["type"]), cond["status"], str(cond["reason"])
+        speculation = kind == conditions.SPECULATION_EFFECTIVE
+        if not conditions.transitioned(before, after, kind, reason=speculation):
             continue
-        status = cond["status"]
         bad = (
             (kind == conditions.DEGRADED and status == "True")
             or (kind == conditions.HEADROOM_SUFFICIENT and status != "True")
             or (kind == conditions.PLACEMENT_CHANGE_PENDING and status == "True")
+            or (speculation and reason in effectiveness.NOT_HELPING)
         )
-        if bad or kind == conditions.HEADROOM_SUFFICIENT:
-            emit("Warning" if bad else "Normal", str(cond["reason"]), str(cond["message"]))
+        recovered = speculation and status == "True"
+        if bad or recovered or kind == conditions.HEADROOM_SUFFICIENT:
+            emit("Warning" if bad else "Normal", reason, str(cond["message"]))
 
 
 def external_replicas(body: Obj) -> bool:
@@ -256,6 +262,7 @@ def _report_invalid_spec(run: _Pass, error: str) -> Result:
         None,
         run.deployment(),
         spec_error=error,
+        selector=builders.selector_string(run.pair),
     )
     run.write_status(build_status(obs, run.previous, now=run.now))
     run.result.settled = not run.result.writes
@@ -369,6 +376,9 @@ def _observation(
         knobs=builders.knobs_in_force(spec, speculate=target.speculate),
         missing_references=tuple(missing),
         placement_pending=target.placed.pending,
+        selector=builders.selector_string(run.pair),
+        min_drafted_tokens=spec.acceptance_drift.min_drafted_tokens,
+        break_even=effectiveness.break_even_rate(spec),
     )
 
 

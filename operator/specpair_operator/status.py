@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from specpair_operator import effectiveness
 from specpair_operator.conditions import (
     CONDITION_TYPES,
     DEGRADED,
@@ -42,6 +43,9 @@ class Observation:
     knobs: Mapping[str, Any] | None = None  # the speculation section the pods get
     missing_references: tuple[str, ...] = ()  # Secrets/ConfigMaps the pods need, absent
     placement_pending: str | None = None  # a held placement change (inventory.py)
+    selector: str | None = None  # the pods' label selector (the scale subresource's)
+    min_drafted_tokens: int = 200  # acceptanceDrift.minDraftedTokens
+    break_even: float | None = None  # acceptance below which drafting cannot pay
 
 
 def placement(plan: Plan, device: DeviceMemory) -> dict[str, Any]:
@@ -317,6 +321,22 @@ def _drift(obs: Observation, previous: Mapping[str, Any]) -> ConditionUpdate:
     return ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed")
 
 
+def _speculation(
+    obs: Observation, previous: Mapping[str, Any], current: str | None
+) -> list[ConditionUpdate]:
+    """SpeculationEffective from the scraped interval (`effectiveness.py`)."""
+    if obs.knobs is None or obs.break_even is None:
+        return []
+    inputs = effectiveness.Inputs(
+        knobs=obs.knobs,
+        acceptance=previous.get("acceptance"),
+        current_revision=current,
+        min_drafted_tokens=obs.min_drafted_tokens,
+        break_even=obs.break_even,
+    )
+    return [effectiveness.verdict(inputs)]
+
+
 def _placement_pending(obs: Observation, previous: Mapping[str, Any]) -> list[ConditionUpdate]:
     if obs.placement_pending is not None:
         return [
@@ -354,7 +374,12 @@ def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime
     serving_version = _version_of(revisions, current)
     workload = _workload(obs, previous, current, serving_version)
     updates = (
-        [_headroom(obs), *workload, *_placement_pending(obs, previous)]
+        [
+            _headroom(obs),
+            *workload,
+            *_speculation(obs, previous, current),
+            *_placement_pending(obs, previous),
+        ]
         if obs.spec_error is None
         else workload
     )
@@ -373,6 +398,7 @@ def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime
         else placement(obs.plan, obs.device),
         "replicas": dep_status.get("replicas", 0) if dep is not None else 0,
         "readyReplicas": dep_status.get("readyReplicas", 0) if dep is not None else 0,
+        "selector": obs.selector,
     }
     if obs.spec_error is not None:
         # Keep what was last known instead of inventing a placement for a bad spec.

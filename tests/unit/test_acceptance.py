@@ -106,5 +106,15 @@ def test_parse_metrics_reads_what_the_runtime_server_exports() -> None:
     exported.speculation_enabled.set(0)
     sample = parse_metrics(exported.render().decode())
     assert (sample.drafted, sample.accepted, sample.steps) == (12.0, 8.0, 3.0)
+    assert sample.generated == 11.0  # 8 accepted + 3 target tokens
     assert not sample.speculating
     assert speculation_off({"p": sample}, {}) == [("p", "memory_pressure")]
+
+
+def test_speculated_share_counts_the_tokens_of_speculating_steps() -> None:
+    # 10 speculating steps committed 10 + 30 tokens; 60 came from target-only steps.
+    win = window({}, {"a": PodSample(drafted=40, accepted=30, steps=10, generated=100)})
+    assert win.generated == 100 and win.speculated_share == pytest.approx(0.4)
+    assert window({}, {"a": PodSample(4, 3, 1)}).speculated_share is None  # nothing generated
+    # A row that stopped inside its accepted drafts committed fewer: never above 1.
+    assert window({}, {"a": PodSample(8, 8, 2, generated=9)}).speculated_share == 1.0
