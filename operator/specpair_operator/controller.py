@@ -1,8 +1,8 @@
 """The operator's engine: watch events in, a work queue, reconcile workers out.
 
 - kopf's watch streams (`handlers.py`) hand every event of a pair, its
-  children (Deployments, ReplicaSets, Pods, ConfigMaps, Services, selected
-  server-side by the ``app.kubernetes.io/managed-by`` label) and the GPU
+  children (Deployments, Pods, ConfigMaps, Services, selected server-side
+  by the ``app.kubernetes.io/managed-by`` label) and the GPU
   nodes to `Controller.observe`. The event updates the `store.Store` and
   queues the owning pair, so a hand edit of a child is seen at once.
 - Workers take pair keys from the de-duplicating `workqueue.WorkQueue` and
@@ -48,7 +48,6 @@ from specpair_operator.store import (
     NODE,
     PAIR,
     POD,
-    REPLICA_SET,
     SERVICE,
     Key,
     Obj,
@@ -72,7 +71,6 @@ class Watched:
         # kind: (api version, plural, namespaced)
         PAIR: (api.API_VERSION, api.PLURAL, True),
         DEPLOYMENT: ("apps/v1", "deployments", True),
-        REPLICA_SET: ("apps/v1", "replicasets", True),
         POD: ("v1", "pods", True),
         CONFIG_MAP: ("v1", "configmaps", True),
         SERVICE: ("v1", "services", True),
@@ -80,7 +78,6 @@ class Watched:
     }
     SELECTORS: Mapping[str, str] = {
         DEPLOYMENT: MANAGED_SELECTOR,
-        REPLICA_SET: MANAGED_SELECTOR,
         POD: MANAGED_SELECTOR,
         CONFIG_MAP: MANAGED_SELECTOR,
         SERVICE: MANAGED_SELECTOR,
@@ -195,8 +192,6 @@ class Controller:
         key = owner_key(kind, obj)
         if key is not None:
             self._changed(key)
-        if kind == REPLICA_SET:
-            return  # read by rollbacks only; its Deployment and pods carry the news
         if kind == POD and key is not None and not self._pod_matters(key, obj):
             return
         if key is not None and (kind != PAIR or event_type != "DELETED"):

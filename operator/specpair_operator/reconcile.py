@@ -44,7 +44,6 @@ from specpair_operator.store import (
     NODE,
     PAIR,
     POD,
-    REPLICA_SET,
     Store,
 )
 
@@ -126,6 +125,9 @@ def _nodes(store: Store, spec: SpeculativePairSpec) -> list[Obj]:
 def _emit_transitions(before: list[Any], after: list[Any], emit: EmitEvent) -> None:
     """Events only on a condition's status change, so an unchanged pass posts none.
 
+    A Warning when a condition turns bad (also when it first appears so); a
+    Normal one only when it recovers from an earlier state: a new pair that is
+    fine posts nothing (a write per pair at creation, for no news).
     SpeculationEffective also on a change of reason: the runtime falling back
     is news even when the draft was already known not to help.
     """
@@ -140,8 +142,10 @@ def _emit_transitions(before: list[Any], after: list[Any], emit: EmitEvent) -> N
             or (kind == conditions.PLACEMENT_CHANGE_PENDING and status == "True")
             or (speculation and reason in effectiveness.NOT_HELPING)
         )
-        recovered = speculation and status == "True"
-        if bad or recovered or kind == conditions.HEADROOM_SUFFICIENT:
+        recovered = conditions.find(before, kind) is not None and (
+            kind == conditions.HEADROOM_SUFFICIENT or (speculation and status == "True")
+        )
+        if bad or recovered:
             emit("Warning" if bad else "Normal", reason, str(cond["message"]))
 
 
@@ -520,9 +524,15 @@ def _roll_back(
     emit: EmitEvent,
     result: Result,
 ) -> bool:
-    """Put the last good revision back; False when its ReplicaSet is gone."""
-    selector = {"app.kubernetes.io/instance": pair.name, builders.REVISION_LABEL: good}
-    template = good_template(store.select(REPLICA_SET, pair.namespace, selector), good)
+    """Put the last good revision back; False when its ReplicaSet is gone.
+
+    The ReplicaSets are listed here, by label, rather than watched: only a
+    rollback reads them, and watching every pair's would cost memory and an
+    event per change for nothing.
+    """
+    selector = f"app.kubernetes.io/instance={pair.name},{builders.REVISION_LABEL}={good}"
+    found = kube.list(path_for("apps/v1", "replicasets", pair.namespace), selector)
+    template = good_template(found, good)
     if template is None:
         return False
     # The Deployment first: if the annotation is then lost, the next pass retries

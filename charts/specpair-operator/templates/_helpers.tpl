@@ -76,10 +76,10 @@ listed (their IPs). No secrets.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, update]
-# Rollback reads the last good pod template from its ReplicaSet.
+# Rollback reads the last good pod template from its ReplicaSet (listed, not watched).
 - apiGroups: [apps]
   resources: [replicasets]
-  verbs: [list, watch]
+  verbs: [list]
 # Does a Secret the pair names exist, with its key? Get by name only.
 - apiGroups: [""]
   resources: [secrets]
