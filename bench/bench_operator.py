@@ -276,86 +276,100 @@ class Bench:
         self.standby = standby
         return took
 
+    def install_crd(self) -> None:
+        """The CRD, as the docs say for an apiserver older than 1.25; until Established."""
+        kubectl = [str(self.binaries.kubectl), "--kubeconfig", str(self.plane.kubeconfig_path)]
+        subprocess.run(
+            [*kubectl, "apply", "--validate=false", "-f", str(REPO / "crds")],
+            check=True,
+            capture_output=True,
+        )
+        # kubectl wait fails at once on a CRD whose status is not written yet.
+        crd = (
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/speculativepairs.specpair.dev"
+        )
+
+        def established() -> bool:
+            conditions = self.api("GET", crd).get("status", {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        self.wait(established, "the CRD Established", 90)
+
+    def create_runs(self, results: dict[str, Any]) -> list[float]:
+        """``--runs`` rounds of creating the pairs (deleted between rounds); the deletes' times."""
+        args = self.args
+        times, posts, deletes = [], [], []
+        requests: Counter[str] = Counter()
+        for run in range(args.runs):
+            log(f"run {run + 1}/{args.runs}")
+            time.sleep(3)
+            took, posted, sent = self.create_pairs()
+            times.append(took)
+            posts.append(posted)
+            requests = sent  # the last run's (the first also lists the empty namespace)
+            if run + 1 < args.runs:
+                deletes.append(self.delete_pairs())
+        results["timeToChildrenSeconds"] = times
+        results["postSeconds"] = posts
+        results["operatorRequestsPerPair"] = {
+            k: round(v / args.pairs, 2) for k, v in sorted(requests.items())
+        }
+        results["operatorRequestsPerPairTotal"] = round(sum(requests.values()) / args.pairs, 2)
+        return deletes
+
+    def quiet(
+        self, baseline: Counter[RequestKey], operator: subprocess.Popen[bytes]
+    ) -> dict[str, Any]:
+        """Requests beyond the baseline, and the operator's CPU, over a settled window."""
+        args = self.args
+        cpu_before = self.cpu_seconds(operator)
+        window = self.window(args.quiet_seconds)
+        quiet_cpu = self.cpu_seconds(operator) - cpu_before
+        extra = Counter(
+            {k: v - baseline.get(k, 0) for k, v in window.items() if v > baseline.get(k, 0)}
+        )
+        minutes = args.quiet_seconds / 60
+        return {
+            "seconds": args.quiet_seconds,
+            "requestsPerSecond": round(sum(extra.values()) / args.quiet_seconds, 3),
+            "requestsPerPairPerResync": round(
+                sum(extra.values()) / args.pairs / (args.quiet_seconds / args.resync_seconds), 4
+            ),
+            "statusPatchesPerMinute": extra.get(("PATCH", "speculativepairs", "status"), 0)
+            / minutes,
+            "operatorCpuSeconds": round(quiet_cpu, 2),
+            "perMinute": {
+                " ".join(filter(None, k)): round(v / minutes, 1)
+                for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
+            },
+            "baselinePerMinute": {
+                " ".join(filter(None, k)): round(v / minutes, 1) for k, v in baseline.items()
+            },
+        }
+
     def run(self) -> dict[str, Any]:
         args = self.args
         election = args.leader_election
         results: dict[str, Any] = {"pairs": args.pairs, "resyncSeconds": args.resync_seconds}
         self.plane.start()
         try:
-            kubectl = [str(self.binaries.kubectl), "--kubeconfig", str(self.plane.kubeconfig_path)]
-            subprocess.run(
-                [*kubectl, "apply", "--validate=false", "-f", str(REPO / "crds")],
-                check=True,
-                capture_output=True,
-            )
-            # kubectl wait fails at once on a CRD whose status is not written yet.
-            crd = (
-                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                "speculativepairs.specpair.dev"
-            )
-
-            def established() -> bool:
-                conditions = self.api("GET", crd).get("status", {}).get("conditions") or []
-                return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-            self.wait(established, "the CRD Established", 90)
+            self.install_crd()
             self.plane.ensure_namespace(NAMESPACE)
             time.sleep(5)
             log(f"baseline window ({args.quiet_seconds:.0f} s, no operator, no pairs)")
             baseline = self.window(args.quiet_seconds)
-            times, posts, deletes = [], [], []
-            requests: Counter[str] = Counter()
             operator = self.start_operator("main", election=election)
-            for run in range(args.runs):
-                log(f"run {run + 1}/{args.runs}")
-                time.sleep(3)
-                took, posted, sent = self.create_pairs()
-                times.append(took)
-                posts.append(posted)
-                requests = sent  # the last run's (the first also lists the empty namespace)
-                if run + 1 < args.runs:
-                    deletes.append(self.delete_pairs())
-            results["timeToChildrenSeconds"] = times
-            results["postSeconds"] = posts
-            results["operatorRequestsPerPair"] = {
-                k: round(v / args.pairs, 2) for k, v in sorted(requests.items())
-            }
-            results["operatorRequestsPerPairTotal"] = round(sum(requests.values()) / args.pairs, 2)
+            deletes = self.create_runs(results)
             log("settling")
             self.settle()
             log(f"quiet window ({args.quiet_seconds:.0f} s)")
-            cpu_before = self.cpu_seconds(operator)
-            quiet = self.window(args.quiet_seconds)
-            quiet_cpu = self.cpu_seconds(operator) - cpu_before
-            extra = Counter(
-                {k: v - baseline.get(k, 0) for k, v in quiet.items() if v > baseline.get(k, 0)}
-            )
-            minutes = args.quiet_seconds / 60
-            results["quiet"] = {
-                "seconds": args.quiet_seconds,
-                "requestsPerSecond": round(sum(extra.values()) / args.quiet_seconds, 3),
-                "requestsPerPairPerResync": round(
-                    sum(extra.values()) / args.pairs / (args.quiet_seconds / args.resync_seconds),
-                    4,
-                ),
-                "statusPatchesPerMinute": extra.get(("PATCH", "speculativepairs", "status"), 0)
-                / minutes,
-                "operatorCpuSeconds": round(quiet_cpu, 2),
-                "perMinute": {
-                    " ".join(filter(None, k)): round(v / minutes, 1)
-                    for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
-                },
-                "baselinePerMinute": {
-                    " ".join(filter(None, k)): round(v / minutes, 1) for k, v in baseline.items()
-                },
-            }
+            results["quiet"] = self.quiet(baseline, operator)
             results["peakRssMiB"] = round(self.peak_rss_mib(operator), 1)
             results["operatorCpuSeconds"] = round(self.cpu_seconds(operator), 1)
+            survivor = operator
             if election and args.failover:
                 results["failoverSeconds"] = round(self.failover(operator), 1)
                 survivor = self.standby
-            else:
-                survivor = operator
             if args.delete:
                 deletes.append(self.delete_pairs())
             results["deleteSeconds"] = deletes
