@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -65,7 +66,7 @@ def test_shutdown_wakes_a_waiting_worker() -> None:
     assert raised.is_set()
 
 
-def obj(name: str, version: str, labels: dict[str, str] | None = None) -> dict[str, object]:
+def obj(name: str, version: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "metadata": {
             "name": name,
