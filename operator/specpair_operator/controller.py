@@ -249,9 +249,7 @@ class Controller:
             for namespace in self._scopes(namespaced):
                 while not self.stop_event.is_set():
                     try:
-                        found = self.kube.list(
-                            path_for(version, plural, namespace), Watched.SELECTORS.get(kind)
-                        )
+                        self._prime_one(kind, version, path_for(version, plural, namespace))
                         break
                     except Exception as error:  # the API may be briefly unreachable
                         metrics.ERRORS.labels(kind=type(error).__name__).inc()
@@ -260,12 +258,16 @@ class Controller:
                         delay = min(delay * 2, 30.0)
                 else:
                     return
-                for obj in found:
-                    # List items carry neither; a PUT built from them needs both.
-                    self.store.put(kind, {"apiVersion": version, "kind": kind, **obj})
         counts = ", ".join(f"{self.store.count(kind)} {kind}" for kind in Watched.PATHS)
         log.info(f"primed in {time.monotonic() - started:.1f} s: {counts}")
         self.primed.set()
+
+    def _prime_one(self, kind: str, version: str, path: str) -> None:
+        """One kind in one scope, a page at a time (a restart's peak memory is the list)."""
+        for page in self.kube.pages(path, Watched.SELECTORS.get(kind)):
+            for obj in page:
+                # List items carry neither; a PUT built from them needs both.
+                self.store.put(kind, {"apiVersion": version, "kind": kind, **obj})
 
     # -- work ---------------------------------------------------------------------------
 

@@ -87,6 +87,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = 300
+    # kopf's own initial lists, a page at a time (a restart's peak memory is the lists).
+    settings.watching.chunk_size = 500
     for kind, selector in Watched.SELECTORS.items():
         version, plural, _namespaced = Watched.PATHS[kind]
         group = version.rpartition("/")[0]

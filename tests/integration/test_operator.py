@@ -484,3 +484,20 @@ def test_config_maps_of_revisions_that_left_the_history_are_collected(
     assert [e["outcome"] for e in entries] == ["Superseded"] * 4 + ["Progressing"]
     kept = {e["revision"] for e in entries}
     wait_for(lambda: config_map_revisions() == kept, "the older ConfigMaps to go")
+
+
+def test_lists_come_in_pages(space: PairNamespace) -> None:
+    """The operator's start-up lists (and kopf's) are paged: one page in memory at a time."""
+    from kubernetes import config
+
+    from specpair_operator.kube import Kube
+
+    for index in range(5):
+        body = {"metadata": {"name": f"page-{index}", "labels": {"paged": "yes"}}}
+        api(space.plane, "POST", space.path("configmaps"), body)
+    client = config.new_client_from_config(config_file=str(space.plane.kubeconfig_path))  # type: ignore[no-untyped-call]
+    kube = Kube(client)
+    pages = list(kube.pages(space.path("configmaps"), "paged=yes", limit=2))
+    assert [len(page) for page in pages] == [2, 2, 1]
+    names = [cm["metadata"]["name"] for page in pages for cm in page]
+    assert sorted(names) == [f"page-{index}" for index in range(5)]
