@@ -21,11 +21,13 @@ from typing import Any, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import builders, conditions, effectiveness, headroom, inventory, pods
+from specpair_operator import builders, conditions, effectiveness, headroom, inventory, pods, render
 from specpair_operator import references as refs
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_pair
 from specpair_operator.builders import REVISION_LABEL, Manifest, PairRef
 from specpair_operator.drift import corrected, differences
+from specpair_operator.engines import lws
+from specpair_operator.engines.lws import deployment_view
 from specpair_operator.history import find, kept_revisions
 from specpair_operator.kube import Kube, Obj, object_path, pair_path, path_for, with_conflict_retry
 from specpair_operator.metrics import WRITES
@@ -42,11 +44,13 @@ from specpair_operator.status import Observation, build_status, serving_at, stat
 from specpair_operator.store import (
     CONFIG_MAP,
     DEPLOYMENT,
+    LEADER_WORKER_SET,
     NODE,
     PAIR,
     POD,
     Store,
 )
+from specpair_runtime.planner import Plan
 
 EmitEvent = Callable[[str, str, str], None]  # (type, reason, message)
 # The documented opt-in for an HPA (or KEDA) that owns the Deployment's replicas.
@@ -118,7 +122,10 @@ def apply_child(kube: Kube, store: Store, pair: PairRef, desired: Manifest) -> s
 
 
 def _nodes(store: Store, spec: SpeculativePairSpec) -> list[Obj]:
-    if spec.resources.gpus == 0 or spec.resources.gpu_memory is not None:
+    res = spec.resources
+    # engine vllm also reads how many GPUs a node has, unless the spec says.
+    counted = spec.engine != "vllm" or res.gpus_per_node is not None
+    if res.gpus == 0 or (res.gpu_memory is not None and counted):
         return []  # the spec already says how large the device is
     return store.select(NODE, None, {})
 
@@ -203,7 +210,12 @@ class _Pass:
         )
 
     def deployment(self) -> Obj | None:
-        return self.store.peek(DEPLOYMENT, self.pair.namespace, self.pair.name)
+        """The workload as a Deployment: engine vllm past one node reads its LeaderWorkerSet."""
+        found = self.store.peek(DEPLOYMENT, self.pair.namespace, self.pair.name)
+        if found is None:
+            group = self.store.peek(LEADER_WORKER_SET, self.pair.namespace, self.pair.name)
+            found = None if group is None else deployment_view(group)
+        return found
 
     def write_status(self, status: dict[str, Any]) -> None:
         _write_status(self.kube, self.store, self.pair, self.body, status, self.emit, self.result)
@@ -295,15 +307,22 @@ def _apply_children(run: _Pass, spec: SpeculativePairSpec, target: _Target) -> l
 
     Returns the missing references (empty when the Deployment was applied or held).
     """
+    placed = target.placed
     config_map, service, wanted = _children(
-        run.pair, spec, run.generation, target.revision, target.speculate
+        run.pair,
+        spec,
+        run.generation,
+        target.revision,
+        target.speculate,
+        placed.plan,
+        placed.device,
     )
     for child in (config_map, service):
         _apply(run.kube, run.store, run.pair, child, run.result)
     if target.held:
         return []
-    # The Deployment last: its pods mount the ConfigMap above.
-    live = run.deployment()
+    # The workload last: its pods mount the ConfigMap above.
+    live = run.store.peek(wanted["kind"], run.pair.namespace, run.pair.name)
     if live is not None and external_replicas(run.body):
         wanted = _without_replicas(wanted)
     missing = _missing_references(run, spec, target.revision, live, wanted)
@@ -318,7 +337,7 @@ def _missing_references(
     """The Secrets and ConfigMaps the pods need and do not find, checked before pods roll."""
     changes = live is None or bool(differences(wanted, live))
     was_missing = _was_missing(run.previous)
-    if not (changes or not serving_at(live or {}, revision) or was_missing):
+    if not (changes or not serving_at(run.deployment() or {}, revision) or was_missing):
         return []
     return _forbidden_is_none(
         lambda: run.checker.missing(
@@ -403,38 +422,44 @@ def _settled(
 
 
 _CHILDREN_CACHE_SIZE = 4096
-_children_cache: OrderedDict[tuple[str, int, str, bool], str] = OrderedDict()
+_children_cache: OrderedDict[tuple[object, ...], str] = OrderedDict()
 _children_lock = threading.Lock()
 
 
 def _children(
-    pair: PairRef, spec: SpeculativePairSpec, generation: int, revision: str, speculate: bool
+    pair: PairRef,
+    spec: SpeculativePairSpec,
+    generation: int,
+    revision: str,
+    speculate: bool,
+    plan: Plan | None = None,
+    device: headroom.DeviceMemory | None = None,
 ) -> tuple[Manifest, Manifest, Manifest]:
-    """ConfigMap, Service and Deployment as wanted (built once per spec generation).
+    """ConfigMap, Service and workload as wanted (built once per spec generation).
 
     A pass over an unchanged pair builds nothing: rendering ``runtime.yaml``
     was half of its time. The cache keeps them as JSON, a fifth of the memory
     of the dicts (about 20 MiB at a thousand pairs); parsing it back costs
     a small fraction of building them.
     """
-    key = (pair.uid, generation, revision, speculate)
+    per_node = None if device is None else device.gpus_per_node
+    # vLLM's pods also follow the plan's layout (memory share, nodes).
+    shape = (None if plan is None else plan.parallel, per_node) if spec.engine == "vllm" else None
+    key = (pair.uid, generation, revision, speculate, shape)
     with _children_lock:
         found = _children_cache.get(key)
         if found is not None:
             _children_cache.move_to_end(key)
     if found is not None:
-        config_map, service, deployment = json.loads(found)
-        return config_map, service, deployment
-    built = (
-        builders.config_map(pair, spec, revision, speculate=speculate),
-        builders.service(pair, spec),
-        builders.deployment(pair, spec, revision),
-    )
+        config_map, service, workload = json.loads(found)
+        return config_map, service, workload
+    built = render.children(pair, spec, revision, speculate=speculate, plan=plan, per_node=per_node)
     with _children_lock:
         _children_cache[key] = json.dumps(built, separators=(",", ":"))
         while len(_children_cache) > _CHILDREN_CACHE_SIZE:
             _children_cache.popitem(last=False)
-    return built
+    config_map, service, workload = built
+    return config_map, service, workload
 
 
 def _was_missing(previous: dict[str, Any]) -> bool:
@@ -528,7 +553,26 @@ def _roll_back(
     emit: EmitEvent,
     result: Result,
 ) -> bool:
-    """Put the last good revision back; False when its ReplicaSet is gone.
+    """Put the last good revision back; False when its template is gone."""
+    if dep.get("kind") == lws.KIND:
+        if not _roll_back_group(kube, store, pair, good):
+            return False
+    elif not _roll_back_deployment(kube, store, pair, dep, good):
+        return False
+    result.writes.append(f"rollback Deployment/{pair.name} to {good}")
+    annotations = body["metadata"].get("annotations") or {}
+    if annotations.get(FAILED_REVISION_ANNOTATION) != failed:
+        patch = {"metadata": {"annotations": {FAILED_REVISION_ANNOTATION: failed}}}
+        updated = kube.merge_patch(pair_path(pair.namespace, pair.name), patch)
+        store.put(PAIR, updated)
+        body["metadata"] = updated["metadata"]
+        result.writes.append("annotate failed revision")
+    emit("Warning", "RolledBack", f"revision {failed} failed: {failure}; rolled back to {good}")
+    return True
+
+
+def _roll_back_deployment(kube: Kube, store: Store, pair: PairRef, dep: Obj, good: str) -> bool:
+    """The good revision's pod template back, from its ReplicaSet.
 
     The ReplicaSets are listed here, by label, rather than watched: only a
     rollback reads them, and watching every pair's would cost memory and an
@@ -544,15 +588,19 @@ def _roll_back(
     dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
     store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
     WRITES.labels(kind="Deployment", verb="rollback").inc()
-    result.writes.append(f"rollback Deployment/{pair.name} to {good}")
-    annotations = body["metadata"].get("annotations") or {}
-    if annotations.get(FAILED_REVISION_ANNOTATION) != failed:
-        patch = {"metadata": {"annotations": {FAILED_REVISION_ANNOTATION: failed}}}
-        updated = kube.merge_patch(pair_path(pair.namespace, pair.name), patch)
-        store.put(PAIR, updated)
-        body["metadata"] = updated["metadata"]
-        result.writes.append("annotate failed revision")
-    emit("Warning", "RolledBack", f"revision {failed} failed: {failure}; rolled back to {good}")
+    return True
+
+
+def _roll_back_group(kube: Kube, store: Store, pair: PairRef, good: str) -> bool:
+    """A LeaderWorkerSet's good group template back, from its revision's ConfigMap."""
+    group = store.peek(LEADER_WORKER_SET, pair.namespace, pair.name)
+    cm = store.peek(CONFIG_MAP, pair.namespace, builders.config_map_name(pair, good))
+    template = lws.good_group_template(cm)
+    if group is None or template is None:
+        return False
+    path = path_for(lws.API_VERSION, lws.PLURAL, pair.namespace, pair.name)
+    store.put(LEADER_WORKER_SET, kube.replace(path, lws.rolled_back_group(group, template, good)))
+    WRITES.labels(kind=lws.KIND, verb="rollback").inc()
     return True
 
 

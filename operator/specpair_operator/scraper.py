@@ -23,6 +23,7 @@ from specpair_operator.acceptance import PodSample
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_spec
 from specpair_operator.builders import REVISION_LABEL, PairRef
 from specpair_operator.conditions import rfc3339
+from specpair_operator.engines.lws import is_leader
 from specpair_operator.history import find, with_baseline
 from specpair_operator.kube import Kube, pair_path
 from specpair_operator.store import PAIR, POD, Store
@@ -51,7 +52,7 @@ class Scraper:
     anchors: dict[str, PairAnchors] = field(default_factory=dict)
 
     def _sample(self, pod: dict[str, Any]) -> PodSample | None:
-        base = pods.endpoint(pod)
+        base = pods.metrics_endpoint(pod)
         if base is None:
             return None
         name = pod["metadata"]["name"]
@@ -77,7 +78,9 @@ class Scraper:
         if not current:
             return None
         selector = {"app.kubernetes.io/instance": pair.name, REVISION_LABEL: current}
-        ready = [p for p in self.store.select(POD, pair.namespace, selector) if pods.is_ready(p)]
+        found = self.store.select(POD, pair.namespace, selector)
+        # A LeaderWorkerSet's workers serve no API: its leaders speak for their groups.
+        ready = [p for p in found if pods.is_ready(p) and is_leader(p)]
         samples: dict[str, PodSample] = {}
         for pod in ready:
             sample = self._sample(pod)
@@ -156,7 +159,7 @@ def _published(
 ) -> dict[str, Any]:
     """``status.acceptance`` for an interval."""
     share = win.speculated_share
-    return {
+    published: dict[str, Any] = {
         "rate": round(win.rate, 4),
         "meanAcceptedLength": round(win.mean_accepted_length, 4),
         "draftedTokens": win.drafted,
@@ -168,3 +171,6 @@ def _published(
         "drift": drift,
         "speculationOff": off,
     }
+    if win.per_position:
+        published["perPosition"] = win.position_rates
+    return published

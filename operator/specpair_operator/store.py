@@ -25,7 +25,8 @@ POD = "Pod"
 CONFIG_MAP = "ConfigMap"
 SERVICE = "Service"
 NODE = "Node"
-KINDS = (PAIR, DEPLOYMENT, POD, CONFIG_MAP, SERVICE, NODE)
+LEADER_WORKER_SET = "LeaderWorkerSet"  # engine vllm past one node; its CRD may be absent
+KINDS = (PAIR, DEPLOYMENT, POD, CONFIG_MAP, SERVICE, NODE, LEADER_WORKER_SET)
 # The label that names the pair a child or pod belongs to (the store's index).
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 

