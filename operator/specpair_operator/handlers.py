@@ -97,6 +97,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     # kopf's own initial lists, a page at a time (a restart's peak memory is the lists).
     settings.watching.chunk_size = 500
+    # kopf keeps one worker per object that saw an event, holding that object's last raw
+    # event (managedFields and all) until it has idled this long: at a thousand pairs
+    # the default 5 s kept thousands of them at once. A worker is cheap to start again.
+    settings.queueing.idle_timeout = 0.5
     for kind, selector in Watched.SELECTORS.items():
         version, plural, _namespaced = Watched.PATHS[kind]
         group = version.rpartition("/")[0]
