@@ -126,7 +126,7 @@ def test_cpu_image_uses_the_cpu_torch_wheel_and_bakes_the_demo_models() -> None:
     assert build.base.startswith("python:3.11") and final.base == build.base
     run = " ".join(build.all("RUN"))
     assert "download.pytorch.org/whl/cpu" in run and "torch==2.13.0" in run
-    assert "scripts/make_demo_models.py --output /opt/specpair/models/demo" in run
+    assert "-m tools.make_demo_models --output /opt/specpair/models/demo" in run
     assert any(c.endswith("/opt/specpair/models /opt/specpair/models") for c in final.all("COPY"))
 
 
@@ -138,7 +138,7 @@ def test_demo_model_script_needs_only_what_the_image_copies() -> None:
         for src in args.split()[:-1]
         if not src.startswith("--")
     }
-    for module in ("scripts/make_demo_models.py", "tools/tiny_models.py"):
+    for module in ("tools/make_demo_models.py", "tools/tiny_models.py"):
         tree = ast.parse((ROOT / module).read_text())
         for node in ast.walk(tree):
             imported = node.module if isinstance(node, ast.ImportFrom) else None

@@ -1,4 +1,4 @@
-"""scripts/e2e_kind.sh (`make e2e-kind`): shellcheck-clean, and a clean skip
+"""tools/e2e_kind.sh (`make e2e-kind`): shellcheck-clean, and a clean skip
 with a message where Docker is missing (as on this machine's CI)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-SCRIPT = ROOT / "scripts" / "e2e_kind.sh"
+SCRIPT = ROOT / "tools" / "e2e_kind.sh"
 
 
 def test_script_is_executable_and_shellcheck_clean() -> None:

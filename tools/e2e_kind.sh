@@ -77,7 +77,7 @@ say "3/7 helm install"
 
 say "4/7 the CPU sample pair, on the demo models baked into $RUNTIME_CPU_IMAGE"
 PAIR=$("$PY" -c "import yaml; print(yaml.safe_load(open('crds/samples/cpu-pair.yaml'))['metadata']['name'])")
-OMP_WAIT_POLICY=PASSIVE "$PY" scripts/make_demo_models.py \
+OMP_WAIT_POLICY=PASSIVE "$PY" -m tools.make_demo_models \
     --sample crds/samples/cpu-pair.yaml --runtime-image "$RUNTIME_CPU_IMAGE" |
     k apply -n "$PAIR_NAMESPACE" -f -
 
