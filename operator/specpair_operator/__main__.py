@@ -14,7 +14,6 @@ Bad input prints one line naming the field and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -431,25 +430,7 @@ def render_command(
     return text, note
 
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def few_malloc_arenas(arenas: int = 2) -> bool:
-    """Cap glibc's malloc arenas (``MALLOC_ARENA_MAX``); False where libc is not glibc.
-
-    glibc gives threads that allocate at once their own arenas, up to eight
-    per core, and memory freed in one arena serves no other: the workers,
-    the watch loop and the scraper each kept their own high-water mark.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(M_ARENA_MAX, arenas))
-    except (OSError, AttributeError):  # musl, macOS: no mallopt or no such parameter
-        return False
-
-
 def _run_operator(args: argparse.Namespace) -> None:
-    few_malloc_arenas()  # before any thread starts
     if args.log_level not in LOG_LEVELS:  # argparse does not check an env default
         raise UsageError(
             f"SPECPAIR_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
