@@ -6,7 +6,11 @@ leader election, as the chart runs it) and measures:
 
 - **time to children and status**: from the first of N ``POST``s of a pair
   until every pair has its ConfigMap, Service and Deployment and a status for
-  its generation (median and spread over ``--runs``);
+  its generation (median and spread over ``--runs``), and how long the N
+  ``POST``s themselves took (the apiserver's pace on this machine: a floor);
+- **operator requests per pair** while the pairs are created, by verb and
+  resource (``specpair_operator_api_requests_total`` from the operator's own
+  ``/metrics``): deterministic, unlike the times on a shared machine;
 - **quiet-minute API rate**: ``apiserver_request_total`` from the apiserver's
   own ``/metrics`` over ``--quiet-seconds`` once everything has settled, less
   a baseline window of the same length measured before the operator started
@@ -23,7 +27,7 @@ There is no kubelet, so pods stay Pending; nothing here needs them.
 
     python bench/bench_operator.py                      # 200 pairs
     python bench/bench_operator.py --pairs 1000 --runs 1
-    python bench/bench_operator.py --operator-src /tmp/old   # another tree (no leader election)
+    python bench/bench_operator.py --operator-src /tmp/old   # another tree's operator
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tools.apiserver_metrics import RequestKey, delta, request_counts  # noqa: E402
-from tools.control_plane import Binaries, ControlPlane, default_cache_dir, is_built  # noqa: E402
+from tools.control_plane import (  # noqa: E402
+    Binaries,
+    ControlPlane,
+    default_cache_dir,
+    free_port,
+    is_built,
+)
 
 NAMESPACE = "bench"
 LEASE = "bench-operator"
@@ -86,6 +96,7 @@ class Bench:
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.operators: list[subprocess.Popen[bytes]] = []
+        self.metrics_port = free_port()
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -104,9 +115,27 @@ class Bench:
     def requests(self) -> Counter[RequestKey]:
         return request_counts(self.plane.server_url, self.plane.admin_token, self.plane.ca_path)
 
+    def operator_requests(self) -> Counter[str]:
+        """``specpair_operator_api_requests_total`` of the main operator, by "VERB resource"."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        found: Counter[str] = Counter()
+        for line in text.splitlines():
+            if not line.startswith("specpair_operator_api_requests_total{"):
+                continue
+            labels, _, value = line.rpartition(" ")
+            pairs = dict(
+                part.split("=", 1) for part in labels[labels.index("{") + 1 : -1].split(",")
+            )
+            key = f"{pairs['verb'].strip(chr(34))} {pairs['resource'].strip(chr(34))}"
+            found[key] += int(float(value))
+        return found
+
     def start_operator(self, tag: str, *, election: bool) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "specpair_operator", "run", "--namespace", NAMESPACE]
-        argv += ["--resync-seconds", str(self.args.resync_seconds), "--metrics-port", "0"]
+        port = self.metrics_port if tag == "main" else 0
+        argv += ["--resync-seconds", str(self.args.resync_seconds), "--metrics-port", str(port)]
         if election:
             argv += ["--leader-election", "--lease-namespace", NAMESPACE, "--lease-name", LEASE]
         env = {**os.environ, "KUBECONFIG": str(self.plane.kubeconfig_path)}
@@ -151,9 +180,11 @@ class Bench:
 
     # -- phases -------------------------------------------------------------------------
 
-    def create_pairs(self) -> float:
-        """Seconds from the first POST until every pair has children and a status."""
+    def create_pairs(self) -> tuple[float, float, Counter[str]]:
+        """Seconds from the first POST until every pair has children and a status, the
+        seconds the POSTs took, and the operator's requests meanwhile."""
         n = self.args.pairs
+        before = self.operator_requests()
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: self.api("POST", PAIRS, pair_body(i)), range(n)))
@@ -176,7 +207,7 @@ class Bench:
         self.wait(done, "children and status", timeout=60 + n)
         took = time.monotonic() - started
         log(f"  {n} pairs: POSTs took {posted:.1f} s; children and status after {took:.1f} s")
-        return took
+        return took, posted, self.operator_requests() - before
 
     def settle(self) -> None:
         """Until the Deployment controller is done and the pairs' status is quiet."""
@@ -245,77 +276,100 @@ class Bench:
         self.standby = standby
         return took
 
+    def install_crd(self) -> None:
+        """The CRD, as the docs say for an apiserver older than 1.25; until Established."""
+        kubectl = [str(self.binaries.kubectl), "--kubeconfig", str(self.plane.kubeconfig_path)]
+        subprocess.run(
+            [*kubectl, "apply", "--validate=false", "-f", str(REPO / "crds")],
+            check=True,
+            capture_output=True,
+        )
+        # kubectl wait fails at once on a CRD whose status is not written yet.
+        crd = (
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/speculativepairs.specpair.dev"
+        )
+
+        def established() -> bool:
+            conditions = self.api("GET", crd).get("status", {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        self.wait(established, "the CRD Established", 90)
+
+    def create_runs(self, results: dict[str, Any]) -> list[float]:
+        """``--runs`` rounds of creating the pairs (deleted between rounds); the deletes' times."""
+        args = self.args
+        times, posts, deletes = [], [], []
+        requests: Counter[str] = Counter()
+        for run in range(args.runs):
+            log(f"run {run + 1}/{args.runs}")
+            time.sleep(3)
+            took, posted, sent = self.create_pairs()
+            times.append(took)
+            posts.append(posted)
+            requests = sent  # the last run's (the first also lists the empty namespace)
+            if run + 1 < args.runs:
+                deletes.append(self.delete_pairs())
+        results["timeToChildrenSeconds"] = times
+        results["postSeconds"] = posts
+        results["operatorRequestsPerPair"] = {
+            k: round(v / args.pairs, 2) for k, v in sorted(requests.items())
+        }
+        results["operatorRequestsPerPairTotal"] = round(sum(requests.values()) / args.pairs, 2)
+        return deletes
+
+    def quiet(
+        self, baseline: Counter[RequestKey], operator: subprocess.Popen[bytes]
+    ) -> dict[str, Any]:
+        """Requests beyond the baseline, and the operator's CPU, over a settled window."""
+        args = self.args
+        cpu_before = self.cpu_seconds(operator)
+        window = self.window(args.quiet_seconds)
+        quiet_cpu = self.cpu_seconds(operator) - cpu_before
+        extra = Counter(
+            {k: v - baseline.get(k, 0) for k, v in window.items() if v > baseline.get(k, 0)}
+        )
+        minutes = args.quiet_seconds / 60
+        return {
+            "seconds": args.quiet_seconds,
+            "requestsPerSecond": round(sum(extra.values()) / args.quiet_seconds, 3),
+            "requestsPerPairPerResync": round(
+                sum(extra.values()) / args.pairs / (args.quiet_seconds / args.resync_seconds), 4
+            ),
+            "statusPatchesPerMinute": extra.get(("PATCH", "speculativepairs", "status"), 0)
+            / minutes,
+            "operatorCpuSeconds": round(quiet_cpu, 2),
+            "perMinute": {
+                " ".join(filter(None, k)): round(v / minutes, 1)
+                for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
+            },
+            "baselinePerMinute": {
+                " ".join(filter(None, k)): round(v / minutes, 1) for k, v in baseline.items()
+            },
+        }
+
     def run(self) -> dict[str, Any]:
         args = self.args
-        election = not args.operator_src
+        election = args.leader_election
         results: dict[str, Any] = {"pairs": args.pairs, "resyncSeconds": args.resync_seconds}
         self.plane.start()
         try:
-            kubectl = [str(self.binaries.kubectl), "--kubeconfig", str(self.plane.kubeconfig_path)]
-            subprocess.run(
-                [*kubectl, "apply", "--validate=warn", "-f", str(REPO / "crds")],
-                check=True,
-                capture_output=True,
-            )
-            # kubectl wait fails at once on a CRD whose status is not written yet.
-            crd = (
-                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                "speculativepairs.specpair.dev"
-            )
-
-            def established() -> bool:
-                conditions = self.api("GET", crd).get("status", {}).get("conditions") or []
-                return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-            self.wait(established, "the CRD Established", 90)
+            self.install_crd()
             self.plane.ensure_namespace(NAMESPACE)
             time.sleep(5)
             log(f"baseline window ({args.quiet_seconds:.0f} s, no operator, no pairs)")
             baseline = self.window(args.quiet_seconds)
-            times, deletes = [], []
             operator = self.start_operator("main", election=election)
-            for run in range(args.runs):
-                log(f"run {run + 1}/{args.runs}")
-                time.sleep(3)
-                times.append(self.create_pairs())
-                if run + 1 < args.runs:
-                    deletes.append(self.delete_pairs())
-            results["timeToChildrenSeconds"] = times
+            deletes = self.create_runs(results)
             log("settling")
             self.settle()
             log(f"quiet window ({args.quiet_seconds:.0f} s)")
-            cpu_before = self.cpu_seconds(operator)
-            quiet = self.window(args.quiet_seconds)
-            quiet_cpu = self.cpu_seconds(operator) - cpu_before
-            extra = Counter(
-                {k: v - baseline.get(k, 0) for k, v in quiet.items() if v > baseline.get(k, 0)}
-            )
-            minutes = args.quiet_seconds / 60
-            results["quiet"] = {
-                "seconds": args.quiet_seconds,
-                "requestsPerSecond": round(sum(extra.values()) / args.quiet_seconds, 3),
-                "requestsPerPairPerResync": round(
-                    sum(extra.values()) / args.pairs / (args.quiet_seconds / args.resync_seconds),
-                    4,
-                ),
-                "statusPatchesPerMinute": extra.get(("PATCH", "speculativepairs", "status"), 0)
-                / minutes,
-                "operatorCpuSeconds": round(quiet_cpu, 2),
-                "perMinute": {
-                    " ".join(filter(None, k)): round(v / minutes, 1)
-                    for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
-                },
-                "baselinePerMinute": {
-                    " ".join(filter(None, k)): round(v / minutes, 1) for k, v in baseline.items()
-                },
-            }
+            results["quiet"] = self.quiet(baseline, operator)
             results["peakRssMiB"] = round(self.peak_rss_mib(operator), 1)
             results["operatorCpuSeconds"] = round(self.cpu_seconds(operator), 1)
+            survivor = operator
             if election and args.failover:
                 results["failoverSeconds"] = round(self.failover(operator), 1)
                 survivor = self.standby
-            else:
-                survivor = operator
             if args.delete:
                 deletes.append(self.delete_pairs())
             results["deleteSeconds"] = deletes
@@ -348,6 +402,12 @@ def main() -> None:
         "--no-delete", dest="delete", action="store_false", help="skip the last delete"
     )
     parser.add_argument("--operator-src", default=None, help="a tree with operator/ and runtime/")
+    parser.add_argument(
+        "--no-leader-election",
+        dest="leader_election",
+        action="store_false",
+        help="for trees whose operator predates --leader-election (no failover either)",
+    )
     parser.add_argument("--work", default="/tmp/specpair-bench-operator", help="logs go here")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
@@ -359,6 +419,11 @@ def main() -> None:
     quiet = results["quiet"]
     print(f"pairs: {results['pairs']}, resync every {results['resyncSeconds']:.0f} s")
     print(f"time to children and status: {summary(results['timeToChildrenSeconds'])}")
+    print(f"  of which the pairs' own POSTs: {summary(results['postSeconds'])}")
+    print(
+        f"operator requests per pair while creating: {results['operatorRequestsPerPairTotal']} "
+        f"{results['operatorRequestsPerPair']}"
+    )
     if results["deleteSeconds"]:
         print(f"delete time: {summary(results['deleteSeconds'])}")
     print(

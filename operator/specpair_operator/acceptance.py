@@ -11,7 +11,8 @@ Both engines' counters are read: the specpair runtime's ``specpair_*`` and
 vLLM's ``vllm:spec_decode_*`` (a pod exports one set). vLLM counts a step
 that drafted as a draft (``num_drafts``), its proposed tokens
 (``num_draft_tokens``), the accepted ones (``num_accepted_tokens``) and the
-accepted ones at each draft position (``num_accepted_tokens_per_pos``).
+accepted ones at each draft position (``num_accepted_tokens_per_pos``);
+its ``generation_tokens`` are the runtime's generated tokens.
 """
 
 from __future__ import annotations
@@ -24,20 +25,24 @@ ACCEPTED = "specpair_accepted_tokens_total"
 STEPS = "specpair_speculation_steps_total"
 ENABLED = "specpair_speculation_enabled"
 FALLBACK = "specpair_fallback_total"
+GENERATED = "specpair_generated_tokens_total"
 PER_POSITION = "specpair_accepted_tokens_per_position_total"
-# vLLM's spec-decode counters, read into the same fields.
+# vLLM's counters, read into the same fields.
 VLLM_DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_STEPS = "vllm:spec_decode_num_drafts_total"
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+VLLM_GENERATED = "vllm:generation_tokens_total"
 _FIELDS = {
     DRAFTED: DRAFTED,
     ACCEPTED: ACCEPTED,
     STEPS: STEPS,
     ENABLED: ENABLED,
+    GENERATED: GENERATED,
     VLLM_DRAFTED: DRAFTED,
     VLLM_ACCEPTED: ACCEPTED,
     VLLM_STEPS: STEPS,
+    VLLM_GENERATED: GENERATED,
 }
 
 
@@ -50,6 +55,7 @@ class PodSample:
     steps: float = 0.0
     speculating: bool = True
     fallbacks: Mapping[str, float] = field(default_factory=dict)
+    generated: float = 0.0  # verified tokens committed, speculating or not
     per_position: Mapping[int, float] = field(default_factory=dict)  # accepted, by position
 
 
@@ -60,6 +66,7 @@ class Window:
     drafted: int
     accepted: int
     steps: int
+    generated: int = 0
     per_position: tuple[int, ...] = ()  # accepted drafts at each position, position 0 first
 
     @property
@@ -74,6 +81,18 @@ class Window:
     @property
     def mean_accepted_length(self) -> float:
         return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def speculated_share(self) -> float | None:
+        """Share of the generated tokens that came from speculating steps (None: none).
+
+        A request's speculating step commits its accepted drafts plus the target's
+        own token; every other step of it (target-only: a fallback, the runtime's
+        cost model finding the draft not paying, a step that reads a prompt) one.
+        """
+        if not self.generated:
+            return None
+        return min(1.0, (self.steps + self.accepted) / self.generated)
 
 
 def _labels(series: str) -> dict[str, str]:
@@ -117,6 +136,7 @@ def parse_metrics(text: str) -> PodSample:
         steps=values.get(STEPS, 0.0),
         speculating=values.get(ENABLED, 1.0) >= 1.0,
         fallbacks=fallbacks,
+        generated=values.get(GENERATED, 0.0),
         per_position=positions,
     )
 
@@ -127,18 +147,19 @@ def _delta(now: float, anchor: float) -> float:
 
 def window(anchors: Mapping[str, PodSample], samples: Mapping[str, PodSample]) -> Window:
     """The interval from ``anchors`` to ``samples``; a pod without an anchor counts from 0."""
-    drafted = accepted = steps = 0.0
+    drafted = accepted = steps = generated = 0.0
     positions: dict[int, float] = {}
     for pod, sample in samples.items():
         anchor = anchors.get(pod, PodSample())
         drafted += _delta(sample.drafted, anchor.drafted)
         accepted += _delta(sample.accepted, anchor.accepted)
         steps += _delta(sample.steps, anchor.steps)
+        generated += _delta(sample.generated, anchor.generated)
         for position, count in sample.per_position.items():
             before = anchor.per_position.get(position, 0.0)
             positions[position] = positions.get(position, 0.0) + _delta(count, before)
     per_position = tuple(int(positions.get(i, 0.0)) for i in range(max(positions, default=-1) + 1))
-    return Window(int(drafted), int(accepted), int(steps), per_position)
+    return Window(int(drafted), int(accepted), int(steps), int(generated), per_position)
 
 
 def settled(win: Window, min_drafted_tokens: int) -> bool:

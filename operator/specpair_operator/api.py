@@ -778,7 +778,15 @@ class SpeculativePairSpec(ContractModel):
         description="Speculation knobs; the runtime applies changes without a restart.",
     )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
-    replicas: int = Field(default=1, ge=0, le=1000, description="Pods, each holding the pair.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description=(
+            "Pods, each holding the pair. The scale subresource writes it: `kubectl scale "
+            "spair`, a HorizontalPodAutoscaler or a KEDA ScaledObject that targets the pair."
+        ),
+    )
     rollout: Rollout = Field(default_factory=Rollout, description="Rollout of new revisions.")
     golden_prompts: GoldenPromptsSpec | None = Field(
         default=None, description="Prompts that must decode identically with and without drafts."
@@ -1013,7 +1021,24 @@ class AcceptanceStatus(ContractModel):
     pods: int = Field(ge=0, description="Pods scraped.")
     drift: bool = Field(description="Whether the rate is below baseline x (1 - tolerance).")
     speculation_off: list[SpeculationOffPod] = Field(
-        default_factory=list, description="Ready pods with speculation off, and why."
+        default_factory=list,
+        description="Ready pods with speculation off, and why: the runtime's own fallback "
+        "(acceptance_floor: rolling acceptance below speculation.acceptanceFloor; "
+        "memory_pressure; batch_size) or the knobs (disabled).",
+    )
+    generated_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra=_INT64,
+        description="Tokens the pods generated in the interval, speculating or not.",
+    )
+    speculated_share: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Share of generatedTokens that came from speculating steps; the rest the "
+        "runtime decoded target-only (its cost model found the draft not paying, a pause, or "
+        "a step that read a prompt).",
     )
     per_position: list[float] | None = Field(
         default=None,
@@ -1059,8 +1084,18 @@ class SpeculativePairStatus(ContractModel):
         default=None,
         description="The knobs in force (enabled is false when the placement is TargetOnly).",
     )
-    replicas: int | None = Field(default=None, description="Pods of the Deployment.")
+    replicas: int | None = Field(
+        default=None,
+        description="Pods of the Deployment (the scale subresource's status.replicas).",
+    )
     ready_replicas: int | None = Field(default=None, description="Ready pods.")
+    selector: str | None = Field(
+        default=None,
+        description=(
+            "Label selector of the pair's pods, all revisions (the scale subresource's "
+            "selector: an autoscaler reads the pods' metrics through it)."
+        ),
+    )
 
 
 class SpecError(ValueError):

@@ -82,6 +82,11 @@ def selector_labels(pair: PairRef) -> dict[str, str]:
     return {"app.kubernetes.io/name": "specpair", "app.kubernetes.io/instance": pair.name}
 
 
+def selector_string(pair: PairRef) -> str:
+    """`selector_labels` as a label selector string (the scale subresource's selector)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(pair).items()))
+
+
 def labels(pair: PairRef, spec: SpeculativePairSpec) -> dict[str, str]:
     return {
         **selector_labels(pair),

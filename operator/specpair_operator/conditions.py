@@ -17,7 +17,15 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 HEADROOM_SUFFICIENT = "HeadroomSufficient"
 PLACEMENT_CHANGE_PENDING = "PlacementChangePending"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, HEADROOM_SUFFICIENT, PLACEMENT_CHANGE_PENDING)
+SPECULATION_EFFECTIVE = "SpeculationEffective"
+CONDITION_TYPES = (
+    READY,
+    PROGRESSING,
+    DEGRADED,
+    HEADROOM_SUFFICIENT,
+    SPECULATION_EFFECTIVE,
+    PLACEMENT_CHANGE_PENDING,
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,16 @@ def merge_conditions(
 
 
 def transitioned(
-    before: Sequence[dict[str, object]], after: Sequence[dict[str, object]], type_: str
+    before: Sequence[dict[str, object]],
+    after: Sequence[dict[str, object]],
+    type_: str,
+    *,
+    reason: bool = False,
 ) -> bool:
-    """Whether ``type_`` changed status (or appeared) between two lists."""
+    """Whether ``type_`` changed status (or, with ``reason``, its reason) or appeared."""
     old, new = find(before, type_), find(after, type_)
     if new is None:
         return False
-    return old is None or old.get("status") != new.get("status")
+    if old is None or old.get("status") != new.get("status"):
+        return True
+    return reason and old.get("reason") != new.get("reason")

@@ -1,8 +1,8 @@
 """The operator's engine: watch events in, a work queue, reconcile workers out.
 
 - kopf's watch streams (`handlers.py`) hand every event of a pair, its
-  children (Deployments, ReplicaSets, Pods, ConfigMaps, Services, selected
-  server-side by the ``app.kubernetes.io/managed-by`` label) and the GPU
+  children (Deployments, Pods, ConfigMaps, Services, selected server-side
+  by the ``app.kubernetes.io/managed-by`` label) and the GPU
   nodes to `Controller.observe`. The event updates the `store.Store` and
   queues the owning pair, so a hand edit of a child is seen at once.
 - Workers take pair keys from the de-duplicating `workqueue.WorkQueue` and
@@ -33,7 +33,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import api, conditions, metrics
+from specpair_operator import api, conditions, metrics, pruning
 from specpair_operator.builders import REVISION_LABEL
 from specpair_operator.events import post_event
 from specpair_operator.headroom import GPU_MEMORY_LABEL, node_usable
@@ -49,7 +49,6 @@ from specpair_operator.store import (
     NODE,
     PAIR,
     POD,
-    REPLICA_SET,
     SERVICE,
     Key,
     Obj,
@@ -73,7 +72,6 @@ class Watched:
         # kind: (api version, plural, namespaced)
         PAIR: (api.API_VERSION, api.PLURAL, True),
         DEPLOYMENT: ("apps/v1", "deployments", True),
-        REPLICA_SET: ("apps/v1", "replicasets", True),
         POD: ("v1", "pods", True),
         CONFIG_MAP: ("v1", "configmaps", True),
         SERVICE: ("v1", "services", True),
@@ -84,7 +82,6 @@ class Watched:
     OPTIONAL: frozenset[str] = frozenset({LEADER_WORKER_SET})
     SELECTORS: Mapping[str, str] = {
         DEPLOYMENT: MANAGED_SELECTOR,
-        REPLICA_SET: MANAGED_SELECTOR,
         POD: MANAGED_SELECTOR,
         CONFIG_MAP: MANAGED_SELECTOR,
         SERVICE: MANAGED_SELECTOR,
@@ -149,6 +146,8 @@ class Controller:
         self._node_changes = 0
         self._settled: dict[Key, tuple[int, int]] = {}
         self._resyncs = 0
+        # Per pair uid: a hash of the last-applied annotation checked, and its pruned fields.
+        self._pruned: dict[str, tuple[int, tuple[str, ...]]] = {}
         if leader is not None:
             leader.on_started = lambda: self.enqueue_all("leader")
 
@@ -198,8 +197,6 @@ class Controller:
         key = owner_key(kind, obj)
         if key is not None:
             self._changed(key)
-        if kind == REPLICA_SET:
-            return  # read by rollbacks only; its Deployment and pods carry the news
         if kind == POD and key is not None and not self._pod_matters(key, obj):
             return
         if key is not None and (kind != PAIR or event_type != "DELETED"):
@@ -257,9 +254,7 @@ class Controller:
             for namespace in self._scopes(namespaced):
                 while not self.stop_event.is_set():
                     try:
-                        found = self.kube.list(
-                            path_for(version, plural, namespace), Watched.SELECTORS.get(kind)
-                        )
+                        self._prime_one(kind, version, path_for(version, plural, namespace))
                         break
                     except Exception as error:  # the API may be briefly unreachable
                         if kind in Watched.OPTIONAL and getattr(error, "status", None) in (
@@ -268,7 +263,6 @@ class Controller:
                         ):
                             # No LeaderWorkerSet CRD (or no grant for it): nothing to list.
                             log.info(f"not listing {plural}: {getattr(error, 'reason', error)}")
-                            found = []
                             break
                         metrics.ERRORS.labels(kind=type(error).__name__).inc()
                         log.warning(f"listing {plural}: {error}; retrying in {delay:.0f} s")
@@ -276,12 +270,16 @@ class Controller:
                         delay = min(delay * 2, 30.0)
                 else:
                     return
-                for obj in found:
-                    # List items carry neither; a PUT built from them needs both.
-                    self.store.put(kind, {"apiVersion": version, "kind": kind, **obj})
         counts = ", ".join(f"{self.store.count(kind)} {kind}" for kind in Watched.PATHS)
         log.info(f"primed in {time.monotonic() - started:.1f} s: {counts}")
         self.primed.set()
+
+    def _prime_one(self, kind: str, version: str, path: str) -> None:
+        """One kind in one scope, a page at a time (a restart's peak memory is the list)."""
+        for page in self.kube.pages(path, Watched.SELECTORS.get(kind)):
+            for obj in page:
+                # List items carry neither; a PUT built from them needs both.
+                self.store.put(kind, {"apiVersion": version, "kind": kind, **obj})
 
     # -- work ---------------------------------------------------------------------------
 
@@ -318,6 +316,7 @@ class Controller:
         def emit(type_: str, reason: str, message: str) -> None:
             post_event(self.kube, body, type_, reason, message)
 
+        self._warn_pruned(body, emit)
         mark = self.mark(key)
         try:
             result = reconcile(self.kube, self.store, body, emit, checker=self.references)
@@ -340,6 +339,22 @@ class Controller:
         metrics.RECONCILES.labels(trigger=why, result="ok").inc()
         if result.writes:
             log.info(f"{why} {key[0]}/{key[1]}: {', '.join(result.writes)}")
+
+    def _warn_pruned(self, body: Obj, emit: Callable[[str, str, str], None]) -> None:
+        """One Warning Event when the last ``kubectl apply`` lost fields to pruning."""
+        meta = body["metadata"]
+        applied = hash(str((meta.get("annotations") or {}).get(pruning.LAST_APPLIED) or ""))
+        uid = str(meta.get("uid"))
+        with self._why_lock:
+            seen = self._pruned.get(uid)
+        if seen is not None and seen[0] == applied:
+            return  # this apply was checked already
+        fields = tuple(pruning.pruned_fields(body))
+        with self._why_lock:
+            self._pruned[uid] = (applied, fields)
+        if fields and (seen is None or seen[1] != fields):
+            log.warning(f"{meta['namespace']}/{meta['name']}: pruned {', '.join(fields)}")
+            emit("Warning", "FieldsPruned", pruning.warning(list(fields)))
 
     def _report_failure(self, body: Obj, error: BaseException) -> None:
         """A failure retrying will not fix: Degraded and a Warning Event, once."""

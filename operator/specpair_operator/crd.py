@@ -58,6 +58,14 @@ PRINTER_COLUMNS: list[Schema] = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
+# `kubectl scale`, HorizontalPodAutoscalers and KEDA scale the pair itself; the
+# operator carries spec.replicas to the Deployment (docs/operator.md).
+SCALE: Schema = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+
 # JSON Schema keywords that a CRD schema does not take.
 _DROP = {"title", "additionalProperties", "$defs"}
 
@@ -196,7 +204,7 @@ def build_crd() -> Schema:
                     "name": api.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": openapi_schema()},
                 }

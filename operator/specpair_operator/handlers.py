@@ -2,7 +2,7 @@
 
 kopf keeps one watch stream per kind (it lists once, then follows changes,
 reconnects and backs off), selected server-side by label: the pairs, their
-children (Deployments, ReplicaSets, Pods, ConfigMaps, Services, labelled
+children (Deployments, Pods, ConfigMaps, Services, labelled
 ``app.kubernetes.io/managed-by=specpair-operator``) and the GPU nodes
 (``nvidia.com/gpu.memory``). Every event goes to `Controller.observe`.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 import kopf
@@ -40,7 +41,6 @@ from specpair_operator.store import (
     NODE,
     PAIR,
     POD,
-    REPLICA_SET,
     SERVICE,
 )
 
@@ -68,11 +68,39 @@ def _leader(kube: Kube) -> LeaderElector | None:
     )
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """A diff-base that builds and keeps nothing.
+
+    kopf builds every object's "essence" (a deep copy) on every event, to
+    find what changed for change handlers; with only ``@kopf.on.event``
+    handlers it is thrown away. At a thousand pairs that copy was a sixth of
+    the operator's CPU time.
+    """
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
+    ) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own "Handler succeeded" events would be a write per event; ours are explicit.
     settings.posting.level = logging.WARNING
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = 300
+    # kopf's own initial lists, a page at a time (a restart's peak memory is the lists).
+    settings.watching.chunk_size = 500
+    # kopf keeps one worker per object that saw an event, holding that object's last raw
+    # event (managedFields and all) until it has idled this long: at a thousand pairs
+    # the default 5 s kept thousands of them at once. A worker is cheap to start again.
+    settings.queueing.idle_timeout = 0.5
     for kind, selector in Watched.SELECTORS.items():
         version, plural, _namespaced = Watched.PATHS[kind]
         group = version.rpartition("/")[0]
@@ -111,11 +139,6 @@ async def pair_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event("apps", "v1", "deployments")
 async def deployment_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     _observe(DEPLOYMENT, event, memo)
-
-
-@kopf.on.event("apps", "v1", "replicasets")
-async def replica_set_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    _observe(REPLICA_SET, event, memo)
 
 
 @kopf.on.event("", "v1", "pods")

@@ -8,9 +8,10 @@ delete answers with a Status the client mistakes for a V1ServiceStatus).
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from kubernetes import client, config
@@ -116,6 +117,23 @@ class Kube:
     def list(self, path: str, label_selector: str | None = None) -> list[Obj]:
         query = [("labelSelector", label_selector)] if label_selector else []
         return list(self.request("GET", path, query=query).get("items") or [])
+
+    def pages(
+        self, path: str, label_selector: str | None = None, *, limit: int = 500
+    ) -> Iterator[builtins.list[Obj]]:
+        """A list in pages of ``limit`` objects: one page in memory at a time."""
+        query = [("limit", str(limit))]
+        if label_selector:
+            query.append(("labelSelector", label_selector))
+        token = ""
+        while True:
+            reply = self.request(
+                "GET", path, query=query + ([("continue", token)] if token else [])
+            )
+            yield list(reply.get("items") or [])
+            token = str((reply.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return
 
     def create(self, path: str, body: Obj) -> Obj:
         return self.request("POST", path, body)

@@ -10,6 +10,7 @@ differs.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import builders, conditions, headroom, inventory, pods, render
+from specpair_operator import builders, conditions, effectiveness, headroom, inventory, pods, render
 from specpair_operator import references as refs
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_pair
 from specpair_operator.builders import REVISION_LABEL, Manifest, PairRef
@@ -47,7 +48,6 @@ from specpair_operator.store import (
     NODE,
     PAIR,
     POD,
-    REPLICA_SET,
     Store,
 )
 from specpair_runtime.planner import Plan
@@ -131,19 +131,30 @@ def _nodes(store: Store, spec: SpeculativePairSpec) -> list[Obj]:
 
 
 def _emit_transitions(before: list[Any], after: list[Any], emit: EmitEvent) -> None:
-    """Events only on a condition's status change, so an unchanged pass posts none."""
+    """Events only on a condition's status change, so an unchanged pass posts none.
+
+    A Warning when a condition turns bad (also when it first appears so); a
+    Normal one only when it recovers from an earlier state: a new pair that is
+    fine posts nothing (a write per pair at creation, for no news).
+    SpeculationEffective also on a change of reason: the runtime falling back
+    is news even when the draft was already known not to help.
+    """
     for cond in after:
-        kind = str(cond["type"])
-        if not conditions.transitioned(before, after, kind):
+        kind, status, reason = str(cond["type"]), cond["status"], str(cond["reason"])
+        speculation = kind == conditions.SPECULATION_EFFECTIVE
+        if not conditions.transitioned(before, after, kind, reason=speculation):
             continue
-        status = cond["status"]
         bad = (
             (kind == conditions.DEGRADED and status == "True")
             or (kind == conditions.HEADROOM_SUFFICIENT and status != "True")
             or (kind == conditions.PLACEMENT_CHANGE_PENDING and status == "True")
+            or (speculation and reason in effectiveness.NOT_HELPING)
         )
-        if bad or kind == conditions.HEADROOM_SUFFICIENT:
-            emit("Warning" if bad else "Normal", str(cond["reason"]), str(cond["message"]))
+        recovered = conditions.find(before, kind) is not None and (
+            kind == conditions.HEADROOM_SUFFICIENT or (speculation and status == "True")
+        )
+        if bad or recovered:
+            emit("Warning" if bad else "Normal", reason, str(cond["message"]))
 
 
 def external_replicas(body: Obj) -> bool:
@@ -156,6 +167,72 @@ def _without_replicas(desired: Manifest) -> Manifest:
     """The Deployment minus ``spec.replicas``: the autoscaler's field is not compared."""
     spec = {k: v for k, v in desired["spec"].items() if k != "replicas"}
     return {**desired, "spec": spec}
+
+
+@dataclass
+class _Pass:
+    """One pass over one pair: its inputs, read once, and what it did."""
+
+    kube: Kube
+    store: Store
+    body: Obj
+    emit: EmitEvent
+    now: datetime
+    checker: refs.Checker
+    pair: PairRef
+    generation: int
+    previous: dict[str, Any]
+    annotations: dict[str, Any]
+    result: Result = field(default_factory=Result)
+
+    @classmethod
+    def of(
+        cls,
+        kube: Kube,
+        store: Store,
+        body: Obj,
+        emit: EmitEvent,
+        now: datetime,
+        checker: refs.Checker,
+    ) -> _Pass:
+        meta = body["metadata"]
+        return cls(
+            kube,
+            store,
+            body,
+            emit,
+            now,
+            checker,
+            PairRef.from_body(body),
+            int(meta.get("generation", 1)),
+            dict(body.get("status") or {}),
+            dict(meta.get("annotations") or {}),
+        )
+
+    def deployment(self) -> Obj | None:
+        """The workload as a Deployment: engine vllm past one node reads its LeaderWorkerSet."""
+        found = self.store.peek(DEPLOYMENT, self.pair.namespace, self.pair.name)
+        if found is None:
+            group = self.store.peek(LEADER_WORKER_SET, self.pair.namespace, self.pair.name)
+            found = None if group is None else deployment_view(group)
+        return found
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        _write_status(self.kube, self.store, self.pair, self.body, status, self.emit, self.result)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where the spec leads: the placement, the revision, and whether it is held."""
+
+    placed: inventory.Placement
+    speculate: bool
+    revision: str
+    held: bool  # failed and rolled back: not rolled out again
+
+    @property
+    def fits(self) -> bool:
+        return self.placed.plan is None or self.placed.plan.mode != "DoesNotFit"
 
 
 def reconcile(
@@ -172,119 +249,180 @@ def reconcile(
     Reads come from ``store``; the API server sees only writes, plus one GET
     per referenced Secret/ConfigMap before pods roll out (`references.Checker`).
     """
-    now = now or datetime.now(UTC)
-    checker = checker or refs.Checker()
-    pair = PairRef.from_body(body)
-    generation = int(body["metadata"].get("generation", 1))
-    previous: dict[str, Any] = dict(body.get("status") or {})
-    annotations = body["metadata"].get("annotations") or {}
-    result = Result()
-
-    def deployment() -> Obj | None:
-        found = store.peek(DEPLOYMENT, pair.namespace, pair.name)
-        if found is None:  # engine vllm past one node: read the LeaderWorkerSet as one
-            group = store.peek(LEADER_WORKER_SET, pair.namespace, pair.name)
-            found = None if group is None else deployment_view(group)
-        return found
-
+    run = _Pass.of(kube, store, body, emit, now or datetime.now(UTC), checker or refs.Checker())
     try:
         spec = parse_pair(body)  # the name too: v1.20 skips the CEL rule on metadata.name
     except SpecError as error:
-        # Leave every child as it is: a bad edit must not take down a serving pair.
-        obs = Observation(
-            generation,
-            previous.get("currentRevision"),
-            None,
-            None,
-            deployment(),
-            spec_error=str(error),
-        )
-        _write_status(kube, store, pair, body, build_status(obs, previous, now=now), emit, result)
-        result.settled = not result.writes
-        return result
-
-    good = previous.get("currentRevision")
-    placed = inventory.decide(
-        spec,
-        headroom.device_memory(spec, _nodes(store, spec)),
-        previous.get("placement"),
-        serving=good is not None,
-        confirm=annotations.get(inventory.CONFIRM_ANNOTATION),
+        return _report_invalid_spec(run, str(error))
+    target = _target(run, spec)
+    missing = _apply_children(run, spec, target) if target.fits else []
+    dep, held, failure = _check_rollout(run, spec, target)
+    status = build_status(
+        _observation(run, spec, target, dep, held, failure, missing), run.previous, now=run.now
     )
-    device, plan = placed.device, placed.plan
-    speculate = plan is None or plan.mode == "Colocated"
-    revision = compute_revision(spec, draft_loaded=speculate)
-    # A revision that failed and was rolled back is not rolled out again.
-    held = annotations.get(FAILED_REVISION_ANNOTATION) == revision
-    missing: list[str] = []
-    if plan is None or plan.mode != "DoesNotFit":
-        config_map, service, wanted = _children(
-            pair, spec, generation, revision, speculate, plan, device
-        )
-        for child in (config_map, service):
-            _apply(kube, store, pair, child, result)
-        if not held:
-            # The Deployment last: its pods mount the ConfigMap above.
-            live = store.peek(wanted["kind"], pair.namespace, pair.name)
-            if live is not None and external_replicas(body):
-                wanted = _without_replicas(wanted)
-            changes = live is None or bool(differences(wanted, live))
-            serving = serving_at(deployment() or {}, revision)
-            if changes or not serving or _was_missing(previous):
-                force = changes or _was_missing(previous)
-                missing = _forbidden_is_none(
-                    lambda: checker.missing(
-                        kube,
-                        pair.namespace,
-                        pair.uid,
-                        generation,
-                        refs.references(spec),
-                        force=force,
-                    ),
-                    [],
-                    "get the Secrets and ConfigMaps the pair names",
-                )
-            if not missing:
-                _apply(kube, store, pair, wanted, result)
-    dep = deployment()
-    failure = (find(previous.get("revisions") or [], revision) or {}).get("message")
-    if dep is not None and good and good != revision and not held:
-        rolling: Obj = dep
-        hard, why = _new_pods_failure(store, pair, rolling, revision)
-        if hard or rollout_failed(dep, revision):
-            failure = why if hard and why else _deadline_message(spec, why)
-            held = _roll_back(kube, store, pair, body, dep, good, revision, failure, emit, result)
-            dep = deployment()
-    obs = Observation(
-        generation,
-        revision,
-        plan,
-        device,
-        dep,
-        gpus=spec.resources.gpus,
-        held_revision=revision if held else None,
-        failure_message=failure if held else None,
-        version=spec.version,
-        drift_tolerance=spec.acceptance_drift.tolerance,
-        knobs=builders.knobs_in_force(spec, speculate=speculate),
-        missing_references=tuple(missing),
-        placement_pending=placed.pending,
-    )
-    status = build_status(obs, previous, now=now)
-    _write_status(kube, store, pair, body, status, emit, result)
+    run.write_status(status)
     _forbidden_is_none(
-        lambda: _collect_config_maps(kube, store, pair, status, revision, result),
+        lambda: _collect_config_maps(kube, store, run.pair, status, target.revision, run.result),
         None,
         "delete ConfigMaps (to collect old revisions)",
     )
+    run.result.settled = _settled(run, spec, target.revision, dep, held, missing)
+    return run.result
+
+
+def _report_invalid_spec(run: _Pass, error: str) -> Result:
+    """Only the status: a bad edit must not take down a serving pair, so no child changes."""
+    obs = Observation(
+        run.generation,
+        run.previous.get("currentRevision"),
+        None,
+        None,
+        run.deployment(),
+        spec_error=error,
+        selector=builders.selector_string(run.pair),
+    )
+    run.write_status(build_status(obs, run.previous, now=run.now))
+    run.result.settled = not run.result.writes
+    return run.result
+
+
+def _target(run: _Pass, spec: SpeculativePairSpec) -> _Target:
+    """The placement (from the spec, the nodes and what serves), the revision, the hold."""
+    placed = inventory.decide(
+        spec,
+        headroom.device_memory(spec, _nodes(run.store, spec)),
+        run.previous.get("placement"),
+        serving=run.previous.get("currentRevision") is not None,
+        confirm=run.annotations.get(inventory.CONFIRM_ANNOTATION),
+    )
+    plan = placed.plan
+    speculate = plan is None or plan.mode == "Colocated"
+    revision = compute_revision(spec, draft_loaded=speculate)
+    held = run.annotations.get(FAILED_REVISION_ANNOTATION) == revision
+    return _Target(placed, speculate, revision, held)
+
+
+def _apply_children(run: _Pass, spec: SpeculativePairSpec, target: _Target) -> list[str]:
+    """ConfigMap and Service, then the Deployment unless a reference it needs is missing.
+
+    Returns the missing references (empty when the Deployment was applied or held).
+    """
+    placed = target.placed
+    config_map, service, wanted = _children(
+        run.pair,
+        spec,
+        run.generation,
+        target.revision,
+        target.speculate,
+        placed.plan,
+        placed.device,
+    )
+    for child in (config_map, service):
+        _apply(run.kube, run.store, run.pair, child, run.result)
+    if target.held:
+        return []
+    # The workload last: its pods mount the ConfigMap above.
+    live = run.store.peek(wanted["kind"], run.pair.namespace, run.pair.name)
+    if live is not None and external_replicas(run.body):
+        wanted = _without_replicas(wanted)
+    missing = _missing_references(run, spec, target.revision, live, wanted)
+    if not missing:
+        _apply(run.kube, run.store, run.pair, wanted, run.result)
+    return missing
+
+
+def _missing_references(
+    run: _Pass, spec: SpeculativePairSpec, revision: str, live: Obj | None, wanted: Manifest
+) -> list[str]:
+    """The Secrets and ConfigMaps the pods need and do not find, checked before pods roll."""
+    changes = live is None or bool(differences(wanted, live))
+    was_missing = _was_missing(run.previous)
+    if not (changes or not serving_at(run.deployment() or {}, revision) or was_missing):
+        return []
+    return _forbidden_is_none(
+        lambda: run.checker.missing(
+            run.kube,
+            run.pair.namespace,
+            run.pair.uid,
+            run.generation,
+            refs.references(spec),
+            force=changes or was_missing,
+        ),
+        [],
+        "get the Secrets and ConfigMaps the pair names",
+    )
+
+
+def _check_rollout(
+    run: _Pass, spec: SpeculativePairSpec, target: _Target
+) -> tuple[Obj | None, bool, str | None]:
+    """A new revision over a serving one: roll it back when it failed for good.
+
+    Returns the Deployment as it now is, whether the revision is held, and the
+    failure message of the revision (from this pass, or from its history).
+    """
+    dep = run.deployment()
+    good = run.previous.get("currentRevision")
+    revision, held = target.revision, target.held
+    failure = (find(run.previous.get("revisions") or [], revision) or {}).get("message")
+    if dep is None or not good or good == revision or held:
+        return dep, held, failure
+    hard, why = _new_pods_failure(run.store, run.pair, dep, revision)
+    if not (hard or rollout_failed(dep, revision)):
+        return dep, held, failure
+    failure = why if hard and why else _deadline_message(spec, why)
+    held = _roll_back(
+        run.kube, run.store, run.pair, run.body, dep, good, revision, failure, run.emit, run.result
+    )
+    return run.deployment(), held, failure
+
+
+def _observation(
+    run: _Pass,
+    spec: SpeculativePairSpec,
+    target: _Target,
+    dep: Obj | None,
+    held: bool,
+    failure: str | None,
+    missing: list[str],
+) -> Observation:
+    return Observation(
+        run.generation,
+        target.revision,
+        target.placed.plan,
+        target.placed.device,
+        dep,
+        gpus=spec.resources.gpus,
+        held_revision=target.revision if held else None,
+        failure_message=failure if held else None,
+        version=spec.version,
+        drift_tolerance=spec.acceptance_drift.tolerance,
+        knobs=builders.knobs_in_force(spec, speculate=target.speculate),
+        missing_references=tuple(missing),
+        placement_pending=target.placed.pending,
+        selector=builders.selector_string(run.pair),
+        min_drafted_tokens=spec.acceptance_drift.min_drafted_tokens,
+        break_even=effectiveness.break_even_rate(spec),
+    )
+
+
+def _settled(
+    run: _Pass,
+    spec: SpeculativePairSpec,
+    revision: str,
+    dep: Obj | None,
+    held: bool,
+    missing: list[str],
+) -> bool:
+    """Whether a pass over the same objects would do nothing, waiting on nothing unwatched."""
+    good = run.previous.get("currentRevision")
     rolling_over_serving = dep is not None and bool(good) and good != revision and not held
     unchecked_references = bool(refs.references(spec)) and not serving_at(dep or {}, revision)
-    result.settled = not (result.writes or missing or rolling_over_serving or unchecked_references)
-    return result
+    return not (run.result.writes or missing or rolling_over_serving or unchecked_references)
 
 
 _CHILDREN_CACHE_SIZE = 4096
-_children_cache: OrderedDict[tuple[object, ...], tuple[Manifest, ...]] = OrderedDict()
+_children_cache: OrderedDict[tuple[object, ...], str] = OrderedDict()
 _children_lock = threading.Lock()
 
 
@@ -300,7 +438,9 @@ def _children(
     """ConfigMap, Service and workload as wanted (built once per spec generation).
 
     A pass over an unchanged pair builds nothing: rendering ``runtime.yaml``
-    was half of its time. The manifests are shared: never change them.
+    was half of its time. The cache keeps them as JSON, a fifth of the memory
+    of the dicts (about 20 MiB at a thousand pairs); parsing it back costs
+    a small fraction of building them.
     """
     per_node = None if device is None else device.gpus_per_node
     # vLLM's pods also follow the plan's layout (memory share, nodes).
@@ -310,15 +450,15 @@ def _children(
         found = _children_cache.get(key)
         if found is not None:
             _children_cache.move_to_end(key)
-    if found is None:
-        found = render.children(
-            pair, spec, revision, speculate=speculate, plan=plan, per_node=per_node
-        )
-        with _children_lock:
-            _children_cache[key] = found
-            while len(_children_cache) > _CHILDREN_CACHE_SIZE:
-                _children_cache.popitem(last=False)
-    config_map, service, workload = found
+    if found is not None:
+        config_map, service, workload = json.loads(found)
+        return config_map, service, workload
+    built = render.children(pair, spec, revision, speculate=speculate, plan=plan, per_node=per_node)
+    with _children_lock:
+        _children_cache[key] = json.dumps(built, separators=(",", ":"))
+        while len(_children_cache) > _CHILDREN_CACHE_SIZE:
+            _children_cache.popitem(last=False)
+    config_map, service, workload = built
     return config_map, service, workload
 
 
@@ -413,20 +553,12 @@ def _roll_back(
     emit: EmitEvent,
     result: Result,
 ) -> bool:
-    """Put the last good revision back; False when its ReplicaSet is gone."""
+    """Put the last good revision back; False when its template is gone."""
     if dep.get("kind") == lws.KIND:
         if not _roll_back_group(kube, store, pair, good):
             return False
-    else:
-        selector = {"app.kubernetes.io/instance": pair.name, builders.REVISION_LABEL: good}
-        template = good_template(store.select(REPLICA_SET, pair.namespace, selector), good)
-        if template is None:
-            return False
-        # The Deployment first: if the annotation is then lost, the next pass retries
-        # the failed revision and rolls back again, instead of holding a broken one.
-        dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
-        store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
-        WRITES.labels(kind="Deployment", verb="rollback").inc()
+    elif not _roll_back_deployment(kube, store, pair, dep, good):
+        return False
     result.writes.append(f"rollback Deployment/{pair.name} to {good}")
     annotations = body["metadata"].get("annotations") or {}
     if annotations.get(FAILED_REVISION_ANNOTATION) != failed:
@@ -436,6 +568,26 @@ def _roll_back(
         body["metadata"] = updated["metadata"]
         result.writes.append("annotate failed revision")
     emit("Warning", "RolledBack", f"revision {failed} failed: {failure}; rolled back to {good}")
+    return True
+
+
+def _roll_back_deployment(kube: Kube, store: Store, pair: PairRef, dep: Obj, good: str) -> bool:
+    """The good revision's pod template back, from its ReplicaSet.
+
+    The ReplicaSets are listed here, by label, rather than watched: only a
+    rollback reads them, and watching every pair's would cost memory and an
+    event per change for nothing.
+    """
+    selector = f"app.kubernetes.io/instance={pair.name},{builders.REVISION_LABEL}={good}"
+    found = kube.list(path_for("apps/v1", "replicasets", pair.namespace), selector)
+    template = good_template(found, good)
+    if template is None:
+        return False
+    # The Deployment first: if the annotation is then lost, the next pass retries
+    # the failed revision and rolls back again, instead of holding a broken one.
+    dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
+    store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
+    WRITES.labels(kind="Deployment", verb="rollback").inc()
     return True
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from specpair_operator import acceptance, pods
 from specpair_operator.acceptance import PodSample
-from specpair_operator.api import SpecError, parse_spec
+from specpair_operator.api import SpecError, SpeculativePairSpec, parse_spec
 from specpair_operator.builders import REVISION_LABEL, PairRef
 from specpair_operator.conditions import rfc3339
 from specpair_operator.engines.lws import is_leader
@@ -68,7 +68,6 @@ class Scraper:
 
     def scrape(self, body: dict[str, Any], *, now: datetime | None = None) -> dict[str, Any] | None:
         """One scrape of one pair; writes ``status.acceptance`` when it changed."""
-        now = now or datetime.now(UTC)
         pair = PairRef.from_body(body)
         status: dict[str, Any] = dict(body.get("status") or {})
         current = status.get("currentRevision")
@@ -91,10 +90,38 @@ class Scraper:
         if anchors is None or anchors.revision != current:
             anchors = self.anchors[pair.uid] = PairAnchors(current)
         # Pods that went away leave the interval; unreachable ones keep their anchor.
-        names = [p["metadata"]["name"] for p in ready]
-        anchors.samples = acceptance.keep_only(anchors.samples, names)
+        anchors.samples = acceptance.keep_only(
+            anchors.samples, [p["metadata"]["name"] for p in ready]
+        )
         if not samples:
             return None
+        patch = self._patch(pair, spec, status, anchors, samples, now or datetime.now(UTC))
+        if patch is None:
+            return None
+        written = self.kube.merge_patch(
+            pair_path(pair.namespace, pair.name) + "/status", {"status": patch}
+        )
+        self.store.put(PAIR, written)
+        return patch
+
+    def _patch(
+        self,
+        pair: PairRef,
+        spec: SpeculativePairSpec,
+        status: dict[str, Any],
+        anchors: PairAnchors,
+        samples: dict[str, PodSample],
+        now: datetime,
+    ) -> dict[str, Any] | None:
+        """The status patch of this scrape, or None when nothing new is known.
+
+        An interval is published once it holds ``minDraftedTokens`` drafted
+        tokens; it then sets the revision's baseline if it has none, and the
+        next interval starts. Before that, only a change in which pods do not
+        speculate is published (the runtime's own fallback shows at once),
+        with the numbers of the interval so far.
+        """
+        current = anchors.revision
         drift = spec.acceptance_drift
         win = acceptance.window(anchors.samples, samples)
         off = [
@@ -102,34 +129,48 @@ class Scraper:
             for pod, reason in acceptance.speculation_off(samples, anchors.samples)
         ]
         previous = status.get("acceptance")
-        patch: dict[str, Any] = {}
+        history = status.get("revisions") or []
+        baseline = (find(history, current) or {}).get("baselineRate")
         if acceptance.settled(win, drift.min_drafted_tokens):
-            history = status.get("revisions") or []
-            baseline = (find(history, current) or {}).get("baselineRate")
+            patch: dict[str, Any] = {}
             if baseline is None:
                 updated = with_baseline(history, current, win.rate)
                 if updated is not None:
                     patch["revisions"] = updated
                     log.info(f"{pair.namespace}/{pair.name}: baseline of {current} {win.rate:.3f}")
-            patch["acceptance"] = {
-                "rate": round(win.rate, 4),
-                "meanAcceptedLength": round(win.mean_accepted_length, 4),
-                "draftedTokens": win.drafted,
-                "observedTime": rfc3339(now),
-                "revision": current,
-                "pods": len(samples),
-                "drift": acceptance.drifted(win.rate, baseline, drift.tolerance),
-                "speculationOff": off,
-            }
-            if win.per_position:
-                patch["acceptance"]["perPosition"] = win.position_rates
+            drifted = acceptance.drifted(win.rate, baseline, drift.tolerance)
+            patch["acceptance"] = _published(win, current, len(samples), drifted, off, now)
             anchors.samples = dict(samples)
-        elif previous is not None and previous.get("speculationOff") != off:
-            patch["acceptance"] = {**previous, "speculationOff": off}
-        else:
+            return patch
+        if (previous or {}).get("speculationOff", []) == off:
             return None  # the interval grows until it holds enough drafted tokens
-        written = self.kube.merge_patch(
-            pair_path(pair.namespace, pair.name) + "/status", {"status": patch}
-        )
-        self.store.put(PAIR, written)
-        return patch
+        if previous is not None and previous.get("revision") == current:
+            return {"acceptance": {**previous, "speculationOff": off}}
+        return {"acceptance": _published(win, current, len(samples), False, off, now)}
+
+
+def _published(
+    win: acceptance.Window,
+    revision: str,
+    pods: int,
+    drift: bool,
+    off: list[dict[str, str]],
+    now: datetime,
+) -> dict[str, Any]:
+    """``status.acceptance`` for an interval."""
+    share = win.speculated_share
+    published: dict[str, Any] = {
+        "rate": round(win.rate, 4),
+        "meanAcceptedLength": round(win.mean_accepted_length, 4),
+        "draftedTokens": win.drafted,
+        "generatedTokens": win.generated,
+        "speculatedShare": None if share is None else round(share, 4),
+        "observedTime": rfc3339(now),
+        "revision": revision,
+        "pods": pods,
+        "drift": drift,
+        "speculationOff": off,
+    }
+    if win.per_position:
+        published["perPosition"] = win.position_rates
+    return published

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from specpair_operator import effectiveness
 from specpair_operator.conditions import (
     CONDITION_TYPES,
     DEGRADED,
@@ -42,6 +43,9 @@ class Observation:
     knobs: Mapping[str, Any] | None = None  # the speculation section the pods get
     missing_references: tuple[str, ...] = ()  # Secrets/ConfigMaps the pods need, absent
     placement_pending: str | None = None  # a held placement change (inventory.py)
+    selector: str | None = None  # the pods' label selector (the scale subresource's)
+    min_drafted_tokens: int = 200  # acceptanceDrift.minDraftedTokens
+    break_even: float | None = None  # acceptance below which drafting cannot pay
 
 
 def placement(plan: Plan, device: DeviceMemory) -> dict[str, Any]:
@@ -215,57 +219,81 @@ def _workload(
     obs: Observation, previous: Mapping[str, Any], current: str | None, serving_version: str | None
 ) -> list[ConditionUpdate]:
     """Ready, Progressing and Degraded from the Deployment."""
-    dep = obs.deployment
     if obs.spec_error is not None:
-        # Ready too: GitOps tools (kstatus) read a pair without a Ready condition as ready.
-        where = f"; version {serving_version} still serves" if serving_version else ""
-        return [
-            ConditionUpdate(READY, "False", "InvalidSpec", f"the spec is invalid{where}"),
-            ConditionUpdate(DEGRADED, "True", "InvalidSpec", obs.spec_error),
-            ConditionUpdate(PROGRESSING, "False", "InvalidSpec", "fix the spec to continue"),
-        ]
+        return _invalid_spec(obs.spec_error, serving_version)
     if obs.plan is not None and obs.plan.mode == "DoesNotFit":
-        message = (
-            f"{obs.plan.reason}; required {obs.plan.required_bytes} bytes "
-            f"({gib(obs.plan.required_bytes)}), device {obs.plan.device_bytes} bytes "
-            f"({gib(obs.plan.device_bytes)}); no Deployment is created"
-        )
-        ups = [
-            ConditionUpdate(DEGRADED, "True", "DoesNotFit", message),
-            ConditionUpdate(PROGRESSING, "False", "DoesNotFit", "the target does not fit the GPU"),
-        ]
-        if dep is None:
-            ups.append(ConditionUpdate(READY, "False", "DoesNotFit", "no Deployment"))
-        else:
-            ups.append(_ready(obs, current, serving_version))
-        return ups
-    if dep is None:
-        if obs.missing_references:
-            message = "; ".join(obs.missing_references) + (
-                "; the pods cannot start without it, so no pods are created until it exists"
-            )
-            return [
-                ConditionUpdate(READY, "False", "MissingReference", message),
-                ConditionUpdate(PROGRESSING, "False", "MissingReference", message),
-                ConditionUpdate(DEGRADED, "True", "MissingReference", message),
-            ]
-        return [
-            ConditionUpdate(
-                READY, "False", "DeploymentMissing", "the Deployment is not created yet"
-            ),
-            ConditionUpdate(PROGRESSING, "True", "Creating", "creating the Deployment"),
-            ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
-        ]
+        return _does_not_fit(obs, obs.plan, current, serving_version)
+    if obs.deployment is None:
+        return _no_deployment(obs)
     ready = _ready(obs, current, serving_version)
+    stopped = _rollout_stopped(obs, obs.deployment)
+    if stopped is not None:
+        return [ready, *stopped]
+    return [ready, _progressing(obs), _drift(obs, previous)]
+
+
+def _invalid_spec(error: str, serving_version: str | None) -> list[ConditionUpdate]:
+    # Ready too: GitOps tools (kstatus) read a pair without a Ready condition as ready.
+    where = f"; version {serving_version} still serves" if serving_version else ""
+    return [
+        ConditionUpdate(READY, "False", "InvalidSpec", f"the spec is invalid{where}"),
+        ConditionUpdate(DEGRADED, "True", "InvalidSpec", error),
+        ConditionUpdate(PROGRESSING, "False", "InvalidSpec", "fix the spec to continue"),
+    ]
+
+
+def _does_not_fit(
+    obs: Observation, plan: Plan, current: str | None, serving_version: str | None
+) -> list[ConditionUpdate]:
+    """The target alone does not fit: nothing is created; a serving Deployment stays."""
+    message = (
+        f"{plan.reason}; required {plan.required_bytes} bytes ({gib(plan.required_bytes)}), "
+        f"device {plan.device_bytes} bytes ({gib(plan.device_bytes)}); no Deployment is created"
+    )
+    ready = (
+        ConditionUpdate(READY, "False", "DoesNotFit", "no Deployment")
+        if obs.deployment is None
+        else _ready(obs, current, serving_version)
+    )
+    return [
+        ConditionUpdate(DEGRADED, "True", "DoesNotFit", message),
+        ConditionUpdate(PROGRESSING, "False", "DoesNotFit", "the target does not fit the GPU"),
+        ready,
+    ]
+
+
+def _missing_message(obs: Observation, what: str) -> str:
+    return "; ".join(obs.missing_references) + (
+        f"; the pods cannot start without it, so no pods are {what} until it exists"
+    )
+
+
+def _no_deployment(obs: Observation) -> list[ConditionUpdate]:
     if obs.missing_references:
-        message = "; ".join(obs.missing_references) + (
-            "; the pods cannot start without it, so no pods are rolled out until it exists"
-        )
+        message = _missing_message(obs, "created")
         return [
-            ready,
+            ConditionUpdate(READY, "False", "MissingReference", message),
             ConditionUpdate(PROGRESSING, "False", "MissingReference", message),
             ConditionUpdate(DEGRADED, "True", "MissingReference", message),
         ]
+    return [
+        ConditionUpdate(READY, "False", "DeploymentMissing", "the Deployment is not created yet"),
+        ConditionUpdate(PROGRESSING, "True", "Creating", "creating the Deployment"),
+        ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed"),
+    ]
+
+
+def _rollout_stopped(
+    obs: Observation, dep: Mapping[str, Any]
+) -> tuple[ConditionUpdate, ConditionUpdate] | None:
+    """Progressing and Degraded when the rollout cannot go on: a missing reference,
+    a rolled-back revision, or the Deployment's progress deadline; None otherwise."""
+    if obs.missing_references:
+        message = _missing_message(obs, "rolled out")
+        return (
+            ConditionUpdate(PROGRESSING, "False", "MissingReference", message),
+            ConditionUpdate(DEGRADED, "True", "MissingReference", message),
+        )
     if obs.held_revision is not None:
         why = obs.failure_message or (
             "it did not become ready within rollout.progressDeadlineSeconds"
@@ -274,20 +302,18 @@ def _workload(
             f"revision {obs.held_revision} failed and was rolled back to the last good "
             f"revision: {why}; change the spec to try a new revision"
         )
-        return [
-            ready,
+        return (
             ConditionUpdate(PROGRESSING, "False", "RolledBack", message),
             ConditionUpdate(DEGRADED, "True", "RolloutFailed", message),
-        ]
+        )
     progressing_dep = _deployment_condition(dep, "Progressing")
     if progressing_dep is not None and progressing_dep.get("reason") == "ProgressDeadlineExceeded":
         message = f"revision {obs.revision}: {progressing_dep.get('message', '')}".strip()
-        return [
-            ready,
+        return (
             ConditionUpdate(PROGRESSING, "False", "ProgressDeadlineExceeded", message),
             ConditionUpdate(DEGRADED, "True", "ProgressDeadlineExceeded", message),
-        ]
-    return [ready, _progressing(obs), _drift(obs, previous)]
+        )
+    return None
 
 
 def _drift(obs: Observation, previous: Mapping[str, Any]) -> ConditionUpdate:
@@ -306,6 +332,22 @@ def _drift(obs: Observation, previous: Mapping[str, Any]) -> ConditionUpdate:
             f"its baseline {baseline:.3f} x (1 - {obs.drift_tolerance:g}) = {threshold:.3f}",
         )
     return ConditionUpdate(DEGRADED, "False", "AsExpected", "no problems observed")
+
+
+def _speculation(
+    obs: Observation, previous: Mapping[str, Any], current: str | None
+) -> list[ConditionUpdate]:
+    """SpeculationEffective from the scraped interval (`effectiveness.py`)."""
+    if obs.knobs is None or obs.break_even is None:
+        return []
+    inputs = effectiveness.Inputs(
+        knobs=obs.knobs,
+        acceptance=previous.get("acceptance"),
+        current_revision=current,
+        min_drafted_tokens=obs.min_drafted_tokens,
+        break_even=obs.break_even,
+    )
+    return [effectiveness.verdict(inputs)]
 
 
 def _placement_pending(obs: Observation, previous: Mapping[str, Any]) -> list[ConditionUpdate]:
@@ -345,7 +387,12 @@ def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime
     serving_version = _version_of(revisions, current)
     workload = _workload(obs, previous, current, serving_version)
     updates = (
-        [_headroom(obs), *workload, *_placement_pending(obs, previous)]
+        [
+            _headroom(obs),
+            *workload,
+            *_speculation(obs, previous, current),
+            *_placement_pending(obs, previous),
+        ]
         if obs.spec_error is None
         else workload
     )
@@ -364,6 +411,7 @@ def build_status(obs: Observation, previous: Mapping[str, Any], *, now: datetime
         else placement(obs.plan, obs.device),
         "replicas": dep_status.get("replicas", 0) if dep is not None else 0,
         "readyReplicas": dep_status.get("readyReplicas", 0) if dep is not None else 0,
+        "selector": obs.selector,
     }
     if obs.spec_error is not None:
         # Keep what was last known instead of inventing a placement for a bad spec.

@@ -325,7 +325,11 @@ class SpeculationKnobs(ContractModel):
         default=0.0,
         ge=0.0,
         le=1.0,
-        description="Rolling acceptance below this turns speculation off (0 disables).",
+        description=(
+            "Rolling acceptance over acceptanceWindow speculation steps below this turns "
+            "speculation off until the knobs change or the runtime restarts: the "
+            "acceptance_floor fallback in /metrics (0 disables)."
+        ),
     )
     acceptance_window: int = Field(
         default=64, ge=1, description="Speculation steps in the rolling acceptance window."

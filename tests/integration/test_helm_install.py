@@ -230,3 +230,83 @@ def test_watched_namespaces_install_reconciles_only_there(
             assert pair is not None and "status" not in pair
         text = log.read_text(errors="replace")
         assert "Forbidden" not in text and " 403" not in text, text[-3000:]
+
+
+PAIRS_RESOURCE = "speculativepairs.specpair.dev"
+
+
+def test_namespace_users_get_pair_rights_through_view_edit_and_admin(
+    rbac_control_plane: ControlPlane, admin: Kubectl, helm: Kubectl, tmp_path: Path
+) -> None:
+    """The chart's aggregated ClusterRoles: a user bound to edit in a namespace may
+    create and scale pairs there, a view user only reads them (real requests too)."""
+    plane = rbac_control_plane
+    with Release(helm, "roles", "specpair-roles"):
+        wait_crd_established(admin)
+        ns, other = f"team-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+        plane.ensure_namespace(other)
+        users: dict[str, Path] = {}
+        for user, role in (("alice", "edit"), ("bob", "view"), ("carol", "admin")):
+            users[user] = plane.service_account_kubeconfig(ns, user)
+            admin("create", "rolebinding", f"{user}-{role}", f"--clusterrole={role}",
+                  f"--serviceaccount={ns}:{user}", "-n", ns)  # fmt: skip
+
+        def can(user: str, *args: str, namespace: str = ns) -> bool:
+            argv = ["auth", "can-i", *args, "-n", namespace, "--kubeconfig", str(users[user])]
+            return admin(*argv, check=False).stdout.strip() == "yes"
+
+        # The clusterrole-aggregation controller copies the rules in, asynchronously.
+        wait_for(lambda: can("alice", "create", PAIRS_RESOURCE), "edit to aggregate", 60)
+        wait_for(lambda: can("bob", "list", PAIRS_RESOURCE), "view to aggregate", 60)
+        for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+            assert can("alice", verb, PAIRS_RESOURCE), f"edit cannot {verb}"
+            assert can("carol", verb, PAIRS_RESOURCE), f"admin cannot {verb}"
+        assert can("alice", "update", PAIRS_RESOURCE, "--subresource=scale")
+        for verb in ("get", "list", "watch"):
+            assert can("bob", verb, PAIRS_RESOURCE), f"view cannot {verb}"
+        for verb in ("create", "update", "patch", "delete", "deletecollection"):
+            assert not can("bob", verb, PAIRS_RESOURCE), f"view can {verb}"
+        assert not can("bob", "update", PAIRS_RESOURCE, "--subresource=scale")
+        assert not can("alice", "create", PAIRS_RESOURCE, namespace=other)
+
+        # Real requests as each user, not only the authorizer's answer.
+        alice = Kubectl(users["alice"], admin.binary)
+        bob = Kubectl(users["bob"], admin.binary)
+        alice("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(sample_pair("cpu")))
+        alice("scale", "spair", "cpu", "-n", ns, "--replicas=2")
+        assert "cpu" in bob("get", "spair", "-n", ns).stdout
+        replicas = bob("get", "spair", "cpu", "-n", ns, "-o", "jsonpath={.spec.replicas}")
+        assert replicas.stdout == "2"
+        for denied in (("scale", "spair", "cpu", "--replicas=1"), ("delete", "spair", "cpu")):
+            refused = bob(*denied, "-n", ns, check=False)
+            assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), denied
+        alice("delete", "spair", "cpu", "-n", ns)
+
+
+def test_missing_watched_namespaces_fail_the_install_and_leave_no_release(
+    rbac_control_plane: ControlPlane, admin: Kubectl, helm: Kubectl
+) -> None:
+    plane = rbac_control_plane
+    team_a, team_b = (f"team-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    plane.ensure_namespace(team_a)
+    install = [
+        "install", "missing", str(CHART), "--namespace", "specpair-missing", "--create-namespace",
+        "--server-side=false", "--set", f"watchedNamespaces={{{team_a},{team_b}}}",
+    ]  # fmt: skip
+    failed = helm(*install, check=False)
+    assert failed.returncode != 0
+    assert f"watchedNamespaces: namespace(s) {team_b} do not exist" in failed.stderr
+    listed = helm("list", "--all-namespaces", "-o", "json").stdout  # any status
+    assert "missing" not in listed  # no release left behind to block the retry
+    assert get_or_none(plane, "/api/v1/namespaces/specpair-missing") is None
+    assert not admin("get", "roles", "-n", team_a, "-o", "name").stdout.strip()
+
+    plane.ensure_namespace(team_b)
+    try:
+        helm(*install)  # the same command, once the namespaces exist
+        for ns in (team_a, team_b):
+            assert (
+                "missing-specpair-operator" in admin("get", "roles", "-n", ns, "-o", "name").stdout
+            )
+    finally:
+        helm("uninstall", "missing", "--namespace", "specpair-missing", check=False)

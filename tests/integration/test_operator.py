@@ -12,6 +12,7 @@ import signal
 import time
 import urllib.error
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +25,23 @@ from tests.support.operator_process import (
     Operator,
     api,
     condition,
-    create_pair,
     create_ready_node,
     create_sample_secrets,
     gpu_node,
     install_crds,
-    items,
     pair_manifest,
-    pair_path,
     play_kubelet_ready,
     running_operator,
     scrape,
-    settled,
 )
-from tests.support.operator_process import kubectl_patch as control_plane_patch
-from tests.support.polling import get_or_none, wait_for
+from tests.support.pair_namespace import PairNamespace
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.integration
+
+GPU_80 = {"gpus": 1, "gpuMemory": "80Gi"}
+# Node objects without a kubelet get not-ready taints; the pairs tolerate all.
+TOLERATE_ALL = [{"operator": "Exists"}]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,37 @@ def crd_installed(control_plane: ControlPlane, kubectl: Kubectl) -> None:
     install_crds(kubectl)
 
 
-def test_crd_installs_and_rejects_schema_invalid_objects(
+@pytest.fixture
+def space(
     control_plane: ControlPlane, crd_installed: None, kubectl: Kubectl, k8s_namespace: str
-) -> None:
+) -> PairNamespace:
+    """The test's namespace, with the CRD installed."""
+    return PairNamespace(control_plane, kubectl, k8s_namespace)
+
+
+StartOperator = Callable[[], contextlib.AbstractContextManager[Operator]]
+
+
+@pytest.fixture
+def start_operator(kubeconfig: Path, space: PairNamespace, tmp_path: Path) -> StartOperator:
+    """`with start_operator() as operator:` runs the operator on the test's namespace."""
+    return lambda: running_operator(kubeconfig, tmp_path, [space.ns])
+
+
+@pytest.fixture
+def operator(start_operator: StartOperator) -> Iterator[Operator]:
+    """The operator, running for the whole test."""
+    with start_operator() as running:
+        yield running
+
+
+def revision_of(dep: dict[str, Any]) -> str:
+    return str(dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"])
+
+
+def test_crd_installs_and_rejects_schema_invalid_objects(space: PairNamespace) -> None:
     crd = api(
-        control_plane,
+        space.plane,
         "GET",
         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/speculativepairs.specpair.dev",
     )
@@ -61,7 +88,7 @@ def test_crd_installs_and_rejects_schema_invalid_objects(
     bad = pair_manifest("bad", replicas=-1)
     bad["spec"]["draft"]["dtype"] = "int4"
     with pytest.raises(urllib.error.HTTPError) as raised:
-        create_pair(control_plane, k8s_namespace, bad)
+        space.create(bad)
     assert raised.value.code == 422
     message = raised.value.read().decode()
     assert "spec.replicas" in message and "spec.draft.dtype" in message
@@ -69,145 +96,83 @@ def test_crd_installs_and_rejects_schema_invalid_objects(
     # kubectl explain reads the descriptions of the structural schema.
     # The apiserver publishes the CRD's OpenAPI a few seconds after it is Established.
     def explain() -> str | None:
-        done = kubectl("explain", "speculativepair.spec.speculation.maxDepth", check=False)
+        done = space.kubectl("explain", "speculativepair.spec.speculation.maxDepth", check=False)
         return done.stdout if done.returncode == 0 else None
 
     explained = wait_for(explain, "kubectl explain", timeout=60)
     assert "Max tokens drafted per step." in explained
 
 
-def test_undersized_gpus_from_node_labels(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    kubectl: Kubectl,
-    k8s_namespace: str,
-    tmp_path: Path,
-) -> None:
-    ns = k8s_namespace
+def test_undersized_gpus_from_node_labels(space: PairNamespace, operator: Operator) -> None:
+    ns = space.ns
     nodes = [
         gpu_node(f"{ns}-24g", 24576, f"{ns}-24"),
         gpu_node(f"{ns}-16g", 16384, f"{ns}-16"),
         gpu_node(f"{ns}-80g", 81920, f"{ns}-16-not"),
     ]
-    # Node objects without a kubelet get not-ready taints; the pairs tolerate all.
-    tolerate_all = [{"operator": "Exists"}]
     try:
         for node in nodes:
-            create_ready_node(control_plane, node)
-        with running_operator(kubeconfig, tmp_path, [ns]):
-            create_pair(
-                control_plane,
-                ns,
-                pair_manifest(
-                    "small",
-                    scheduling={"nodeSelector": {"pool": f"{ns}-24"}, "tolerations": tolerate_all},
-                ),
-            )
-            create_pair(
-                control_plane,
-                ns,
-                pair_manifest(
-                    "tiny",
-                    scheduling={"nodeSelector": {"pool": f"{ns}-16"}, "tolerations": tolerate_all},
-                ),
-            )
-            small = wait_for(lambda: settled(control_plane, ns, "small"), "TargetOnly status")
-            tiny = wait_for(lambda: settled(control_plane, ns, "tiny"), "DoesNotFit status")
+            create_ready_node(space.plane, node)
+        for name, pool in (("small", f"{ns}-24"), ("tiny", f"{ns}-16")):
+            scheduling = {"nodeSelector": {"pool": pool}, "tolerations": TOLERATE_ALL}
+            space.create(pair_manifest(name, scheduling=scheduling))
+        small = space.settled("small", "TargetOnly status")
+        tiny = space.settled("tiny", "DoesNotFit status")
 
-            placement = small["status"]["placement"]
-            assert placement["mode"] == "TargetOnly"
-            assert placement["deviceBytes"] == 24576 * 1024**2
-            assert placement["deviceSource"] == f"node {ns}-24g label nvidia.com/gpu.memory"
-            headroom = condition(small, "HeadroomSufficient")
-            assert headroom is not None and headroom["status"] == "False"
-            assert headroom["message"].startswith("draft needs 1.91 GiB more")
-            dep = wait_for(
-                lambda: get_or_none(
-                    control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/small"
-                ),
-                "the TargetOnly Deployment",
-            )
-            revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
-            cm = api(control_plane, "GET", f"/api/v1/namespaces/{ns}/configmaps/small-{revision}")
-            assert "speculation:\n  enabled: false" in cm["data"]["runtime.yaml"]
+        placement = small["status"]["placement"]
+        assert placement["mode"] == "TargetOnly"
+        assert placement["deviceBytes"] == 24576 * 1024**2
+        assert placement["deviceSource"] == f"node {ns}-24g label nvidia.com/gpu.memory"
+        headroom = condition(small, "HeadroomSufficient")
+        assert headroom is not None and headroom["status"] == "False"
+        assert headroom["message"].startswith("draft needs 1.91 GiB more")
+        dep = space.wait("deployments", "small", "the TargetOnly Deployment")
+        cm = space.read("configmaps", f"small-{revision_of(dep)}")
+        assert "speculation:\n  enabled: false" in cm["data"]["runtime.yaml"]
 
-            assert tiny["status"]["placement"]["mode"] == "DoesNotFit"
-            degraded = condition(tiny, "Degraded")
-            assert degraded is not None and degraded["status"] == "True"
-            assert "21429231616" in degraded["message"]  # the numbers, in bytes
-            assert str(16384 * 1024**2) in degraded["message"]
-            time.sleep(1.5)  # a few resync passes
-            assert (
-                get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/tiny")
-                is None
-            )
+        assert tiny["status"]["placement"]["mode"] == "DoesNotFit"
+        degraded = condition(tiny, "Degraded")
+        assert degraded is not None and degraded["status"] == "True"
+        assert "21429231616" in degraded["message"]  # the numbers, in bytes
+        assert str(16384 * 1024**2) in degraded["message"]
+        time.sleep(1.5)  # a few resync passes
+        assert space.get("deployments", "tiny") is None
 
-            def reasons() -> set[str]:
-                events = items(control_plane, f"/api/v1/namespaces/{ns}/events")
-                return {e["reason"] for e in events if e["type"] == "Warning"}
-
-            wait_for(lambda: {"TargetOnly", "DoesNotFit"} <= reasons(), "the Warning Events")
-            columns = kubectl("get", "spair", "-n", ns).stdout
-            assert "TargetOnly" in columns and "DoesNotFit" in columns
+        wait_for(
+            lambda: {"TargetOnly", "DoesNotFit"} <= space.event_reasons(), "the Warning Events"
+        )
+        columns = space.get_spair()
+        assert "TargetOnly" in columns and "DoesNotFit" in columns
     finally:
         for node in nodes:
             with contextlib.suppress(urllib.error.HTTPError):
-                api(control_plane, "DELETE", f"/api/v1/nodes/{node['metadata']['name']}")
+                api(space.plane, "DELETE", f"/api/v1/nodes/{node['metadata']['name']}")
 
 
 def test_restart_mid_way_converges_without_duplicates(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    kubectl: Kubectl,
-    k8s_namespace: str,
-    tmp_path: Path,
+    space: PairNamespace, start_operator: StartOperator
 ) -> None:
-    ns = k8s_namespace
-    body = pair_manifest("pair", resources={"gpus": 1, "gpuMemory": "80Gi"})
-    deployments = f"/apis/apps/v1/namespaces/{ns}/deployments"
-    with running_operator(kubeconfig, tmp_path, [ns]) as first:
-        create_pair(control_plane, ns, body)
-        wait_for(
-            lambda: items(
-                control_plane,
-                f"/api/v1/namespaces/{ns}/configmaps?labelSelector="
-                "app.kubernetes.io/instance%3Dpair",
-            ),
-            "the first child",
-        )
+    with start_operator() as first:
+        space.create(pair_manifest("pair", resources=GPU_80))
+        wait_for(lambda: space.list("configmaps", "pair"), "the first child")
         first.stop(signal.SIGKILL)  # no clean shutdown
     # While it is down: a new version (a new revision) and a lost Service.
-    control_plane_patch(kubectl, ns, "pair", {"spec": {"version": "2024-08-b"}})
-    kubectl("delete", "service", "-n", ns, "pair", "--ignore-not-found")
+    space.patch("pair", {"spec": {"version": "2024-08-b"}})
+    space.kubectl("delete", "service", "-n", space.ns, "pair", "--ignore-not-found")
 
-    with running_operator(kubeconfig, tmp_path, [ns]):
-        pair = wait_for(lambda: settled(control_plane, ns, "pair"), "the converged status")
-        dep = wait_for(
-            lambda: (
-                (d := get_or_none(control_plane, f"{deployments}/pair"))
-                and d["metadata"]["labels"]["app.kubernetes.io/version"] == "2024-08-b"
-                and d
-            ),
+    with start_operator():
+        pair = space.settled("pair", "the converged status")
+        dep = space.wait(
+            "deployments",
+            "pair",
             "the new revision",
+            lambda d: d["metadata"]["labels"]["app.kubernetes.io/version"] == "2024-08-b",
         )
-        wait_for(
-            lambda: get_or_none(control_plane, f"/api/v1/namespaces/{ns}/services/pair"),
-            "the Service again",
-        )
-    revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
-    assert [d["metadata"]["name"] for d in items(control_plane, deployments)] == ["pair"]
-    assert [
-        s["metadata"]["name"] for s in items(control_plane, f"/api/v1/namespaces/{ns}/services")
-    ] == ["pair"]
-    cms = {
-        c["metadata"]["name"]
-        for c in items(
-            control_plane,
-            f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dpair",
-        )
-    }
+        space.wait("services", "pair", "the Service again")
+    revision = revision_of(dep)
+    assert [d["metadata"]["name"] for d in space.list("deployments")] == ["pair"]
+    assert [s["metadata"]["name"] for s in space.list("services")] == ["pair"]
+    cms = space.config_map_names("pair")
     assert f"pair-{revision}" in cms and len(cms) <= 2  # the new revision, maybe the old one
     assert pair["status"]["observedGeneration"] == pair["metadata"]["generation"]
 
@@ -253,32 +218,17 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
     operator = Operator(operator_kubeconfig, tmp_path / "operator-rbac.log", [], election)
     try:
         operator.start()
-        create_pair(
-            plane, ns, pair_manifest("rbac", resources={"gpus": 1, "gpuMemory": "24Gi"})
-        )  # TargetOnly: posts an Event
-        pair = wait_for(lambda: settled(plane, ns, "rbac"), "the status under RBAC")
+        space = PairNamespace(plane, admin, ns)
+        space.create(pair_manifest("rbac", resources={"gpus": 1, "gpuMemory": "24Gi"}))
+        pair = space.settled("rbac", "the status under RBAC")  # TargetOnly: posts an Event
         assert pair["status"]["placement"]["mode"] == "TargetOnly"
-        for path in (
-            f"/apis/apps/v1/namespaces/{ns}/deployments/rbac",
-            f"/api/v1/namespaces/{ns}/services/rbac",
-        ):
-            wait_for(lambda p=path: get_or_none(plane, p), path)  # type: ignore[misc]
-        wait_for(
-            lambda: any(
-                e["reason"] == "TargetOnly" for e in items(plane, f"/api/v1/namespaces/{ns}/events")
-            ),
-            "the TargetOnly Event",
-        )
+        space.wait("deployments", "rbac", "the Deployment")
+        space.wait("services", "rbac", "the Service")
+        wait_for(lambda: "TargetOnly" in space.event_reasons(None), "the TargetOnly Event")
         # Scaling is an update of the Deployment, allowed by the role.
-        Kubectl(plane.kubeconfig_path, control_plane_binaries.kubectl)(
-            "patch", "spair", "-n", ns, "rbac", "--type=merge", "-p", '{"spec":{"replicas":1}}'
-        )
-        wait_for(
-            lambda: (
-                (d := get_or_none(plane, f"/apis/apps/v1/namespaces/{ns}/deployments/rbac"))
-                and d["spec"]["replicas"] == 1
-            ),
-            "the scaled Deployment",
+        space.patch("rbac", {"spec": {"replicas": 1}})
+        space.wait(
+            "deployments", "rbac", "the scaled Deployment", lambda d: d["spec"]["replicas"] == 1
         )
     finally:
         operator.stop()
@@ -286,27 +236,13 @@ def test_operator_works_under_its_cluster_role_and_nothing_more(
     assert "Forbidden" not in log and " 403" not in log, log[-3000:]
 
 
-def test_samples_reconcile(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    kubectl: Kubectl,
-    k8s_namespace: str,
-    tmp_path: Path,
-) -> None:
-    ns = k8s_namespace
-    create_sample_secrets(control_plane, ns)  # the GPU sample names two
-    with running_operator(kubeconfig, tmp_path, [ns]):
-        kubectl("apply", "-n", ns, "-f", str(ROOT / "crds" / "samples"))
-        cpu = wait_for(lambda: settled(control_plane, ns, "demo-cpu"), "the CPU sample")
-        gpu = wait_for(lambda: settled(control_plane, ns, "llama-8b-1b"), "the GPU sample")
-        for name in ("demo-cpu", "llama-8b-1b"):
-            wait_for(
-                lambda n=name: get_or_none(  # type: ignore[misc]
-                    control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/{n}"
-                ),
-                f"the Deployment of {name}",
-            )
+def test_samples_reconcile(space: PairNamespace, operator: Operator) -> None:
+    create_sample_secrets(space.plane, space.ns)  # the GPU sample names two
+    space.kubectl("apply", "-n", space.ns, "-f", str(ROOT / "crds" / "samples"))
+    cpu = space.settled("demo-cpu", "the CPU sample")
+    gpu = space.settled("llama-8b-1b", "the GPU sample")
+    for name in ("demo-cpu", "llama-8b-1b"):
+        space.wait("deployments", name, f"the Deployment of {name}")
     # CPU mode plans against the pod's memory limit (2Gi).
     assert cpu["status"]["placement"]["mode"] == "Colocated"
     assert cpu["status"]["placement"]["deviceSource"] == "spec.resources.memory"
@@ -318,295 +254,250 @@ def test_samples_reconcile(
 
 
 def test_rules_the_old_apiserver_skips_are_reported(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    k8s_namespace: str,
-    tmp_path: Path,
+    space: PairNamespace, operator: Operator
 ) -> None:
     # v1.20 drops the CEL rules, so this object is stored; the operator reports it.
-    ns = k8s_namespace
     body = pair_manifest("same")
     body["spec"]["draft"]["source"] = body["spec"]["target"]["source"]
-    with running_operator(kubeconfig, tmp_path, [ns]):
-        create_pair(control_plane, ns, body)
-        pair = wait_for(
-            lambda: condition(get_or_none(control_plane, pair_path(ns, "same")), "Degraded"),
-            "the Degraded condition",
-        )
-        assert (pair["status"], pair["reason"]) == ("True", "InvalidSpec")
-        assert "spec: draft.source must differ from target.source" in pair["message"]
-        time.sleep(1.5)  # resync passes create nothing either
-        assert get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/same") is None
+    space.create(body)
+    pair = wait_for(
+        lambda: condition(space.get("pairs", "same"), "Degraded"), "the Degraded condition"
+    )
+    assert (pair["status"], pair["reason"]) == ("True", "InvalidSpec")
+    assert "spec: draft.source must differ from target.source" in pair["message"]
+    time.sleep(1.5)  # resync passes create nothing either
+    assert space.get("deployments", "same") is None
 
 
 def test_failed_revision_rolls_back_to_the_last_good_one(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    kubectl: Kubectl,
-    k8s_namespace: str,
-    tmp_path: Path,
+    space: PairNamespace, operator: Operator
 ) -> None:
-    ns = k8s_namespace
-    dep_path = f"/apis/apps/v1/namespaces/{ns}/deployments/roll"
     body = pair_manifest(
-        "roll",
-        replicas=1,
-        resources={"gpus": 1, "gpuMemory": "80Gi"},
-        rollout={"progressDeadlineSeconds": 10},
+        "roll", replicas=1, resources=GPU_80, rollout={"progressDeadlineSeconds": 10}
     )
 
     def template_revision() -> str:
-        dep = api(control_plane, "GET", dep_path)
-        return str(dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"])
+        return revision_of(space.read("deployments", "roll"))
 
-    with running_operator(kubeconfig, tmp_path, [ns]):
-        create_pair(control_plane, ns, body)
-        wait_for(lambda: get_or_none(control_plane, dep_path), "the Deployment")
-        good = template_revision()
-        wait_for(
-            lambda: play_kubelet_ready(kubectl, ns, f"specpair.dev/revision={good}"),
-            "the first pod",
-        )
-        wait_for(
-            lambda: (
-                (get_or_none(control_plane, pair_path(ns, "roll")) or {})
-                .get("status", {})
-                .get("currentRevision")
-                == good
-            ),
-            "the first revision to roll out",
-        )
+    space.create(body)
+    space.wait("deployments", "roll", "the Deployment")
+    good = template_revision()
+    wait_for(
+        lambda: play_kubelet_ready(space.kubectl, space.ns, f"specpair.dev/revision={good}"),
+        "the first pod",
+    )
+    space.wait(
+        "pairs",
+        "roll",
+        "the first revision to roll out",
+        lambda p: (p.get("status") or {}).get("currentRevision") == good,
+    )
 
-        # A new version whose pods never pass /readyz.
-        control_plane_patch(kubectl, ns, "roll", {"spec": {"version": "2024-09-bad"}})
-        bad = wait_for(lambda: (r := template_revision()) != good and r, "the new revision")
-        degraded = wait_for(
-            lambda: (
-                (c := condition(get_or_none(control_plane, pair_path(ns, "roll")), "Degraded"))
-                and c["reason"] == "RolloutFailed"
-                and c
-            ),
-            "the rollback",
-            timeout=90,
-        )
-        assert degraded["status"] == "True"
-        assert template_revision() == good
-        pair = api(control_plane, "GET", pair_path(ns, "roll"))
-        assert pair["metadata"]["annotations"]["specpair.dev/failed-revision"] == bad
-        assert pair["status"]["currentRevision"] == good
-        assert "progressDeadlineSeconds" in degraded["message"]
-        history = {r["revision"]: r for r in pair["status"]["revisions"]}
-        assert history[good]["outcome"] == "Current" and history[good]["current"]
-        assert history[bad]["outcome"] == "RolledBack" and not history[bad]["current"]
-        assert history[bad]["version"] == "2024-09-bad"
-        # maxUnavailable 0: the good pod served throughout. Ready means serving at the
-        # spec's revision, so it is False, and the status says which version serves.
-        ready = condition(pair, "Ready")
-        assert ready is not None and (ready["status"], ready["reason"]) == ("False", "RolledBack")
-        assert pair["status"]["servingVersion"] == "2024-07-a"
-        assert pair["status"]["desiredVersion"] == "2024-09-bad"
-        columns = kubectl("get", "spair", "-n", ns, "roll").stdout.split("\n")
-        header, row = columns[0].split(), columns[1].split()
-        assert dict(zip(header, row, strict=False))["SERVING"] == "2024-07-a"
-        assert dict(zip(header, row, strict=False))["VERSION"] == "2024-09-bad"
-        events = items(control_plane, f"/api/v1/namespaces/{ns}/events")
-        assert any(e["reason"] == "RolledBack" for e in events)
-        time.sleep(2)  # resync passes do not retry the failed revision
-        assert template_revision() == good
+    # A new version whose pods never pass /readyz.
+    space.patch("roll", {"spec": {"version": "2024-09-bad"}})
+    bad = wait_for(lambda: (r := template_revision()) != good and r, "the new revision")
+    degraded = wait_for(
+        lambda: (
+            (c := condition(space.get("pairs", "roll"), "Degraded"))
+            and c["reason"] == "RolloutFailed"
+            and c
+        ),
+        "the rollback",
+        timeout=90,
+    )
+    assert degraded["status"] == "True"
+    assert template_revision() == good
+    pair = space.pair("roll")
+    assert pair["metadata"]["annotations"]["specpair.dev/failed-revision"] == bad
+    assert pair["status"]["currentRevision"] == good
+    assert "progressDeadlineSeconds" in degraded["message"]
+    history = {r["revision"]: r for r in pair["status"]["revisions"]}
+    assert history[good]["outcome"] == "Current" and history[good]["current"]
+    assert history[bad]["outcome"] == "RolledBack" and not history[bad]["current"]
+    assert history[bad]["version"] == "2024-09-bad"
+    # maxUnavailable 0: the good pod served throughout. Ready means serving at the
+    # spec's revision, so it is False, and the status says which version serves.
+    ready = condition(pair, "Ready")
+    assert ready is not None and (ready["status"], ready["reason"]) == ("False", "RolledBack")
+    assert pair["status"]["servingVersion"] == "2024-07-a"
+    assert pair["status"]["desiredVersion"] == "2024-09-bad"
+    row = space.columns("roll")
+    assert row["SERVING"] == "2024-07-a"
+    assert row["VERSION"] == "2024-09-bad"
+    assert "RolledBack" in space.event_reasons(None)
+    time.sleep(2)  # resync passes do not retry the failed revision
+    assert template_revision() == good
 
-        # A new spec is a new revision: the hold is over.
-        control_plane_patch(kubectl, ns, "roll", {"spec": {"version": "2024-09-fixed"}})
-        wait_for(lambda: template_revision() not in (good, bad), "the next revision")
+    # A new spec is a new revision: the hold is over.
+    space.patch("roll", {"spec": {"version": "2024-09-fixed"}})
+    wait_for(lambda: template_revision() not in (good, bad), "the next revision")
 
 
 # Last in the module: the garbage collector notices a new CRD's kind only at its
 # next discovery resync (every 30 s), so by now it deletes the children at once.
-def test_pair_lifecycle(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    kubectl: Kubectl,
-    k8s_namespace: str,
-    tmp_path: Path,
-) -> None:
-    ns = k8s_namespace
-    body = pair_manifest("llama", resources={"gpus": 1, "gpuMemory": "80Gi", "cpu": "8"})
-    with running_operator(kubeconfig, tmp_path, [ns]) as operator:
-        created = create_pair(control_plane, ns, body)
-        uid = created["metadata"]["uid"]
-        pair = wait_for(lambda: settled(control_plane, ns, "llama"), "the pair's status")
-        status = pair["status"]
-        dep = wait_for(
-            lambda: get_or_none(control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"),
-            "the Deployment",
-        )
-        revision = dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"]
+def test_pair_lifecycle(space: PairNamespace, operator: Operator) -> None:
+    body = pair_manifest("llama", resources={**GPU_80, "cpu": "8"})
+    created = space.create(body)
+    uid = created["metadata"]["uid"]
+    pair = space.settled("llama")
+    status = pair["status"]
+    revision = revision_of(space.wait("deployments", "llama", "the Deployment"))
 
-        # Children: owned, labelled, with probes, resources and securityContext.
-        owner = {
-            "apiVersion": "specpair.dev/v1alpha1",
-            "kind": "SpeculativePair",
-            "name": "llama",
-            "uid": uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
+    # Children: owned, labelled, with probes, resources and securityContext.
+    owner = {
+        "apiVersion": "specpair.dev/v1alpha1",
+        "kind": "SpeculativePair",
+        "name": "llama",
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    dep = space.read("deployments", "llama")
+    cm = space.read("configmaps", f"llama-{revision}")
+    svc = space.read("services", "llama")
+    for child in (dep, cm, svc):
+        assert child["metadata"]["ownerReferences"] == [owner]
+        labels = child["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "llama"
+        assert labels["app.kubernetes.io/managed-by"] == "specpair-operator"
+    ctr = dep["spec"]["template"]["spec"]["containers"][0]
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert ctr["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
+    assert ctr["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert "speculation:\n  enabled: true" in cm["data"]["runtime.yaml"]
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+    # Status: conditions and placement for this generation.
+    assert status["placement"]["mode"] == "Colocated"
+    assert status["placement"]["deviceBytes"] == 80 * 1024**3
+    for cond in status["conditions"]:
+        assert cond["observedGeneration"] == pair["metadata"]["generation"]
+    assert condition(pair, "HeadroomSufficient")["status"] == "True"  # type: ignore[index]
+    # No kubelet: pods never turn ready, so Ready stays False, and says why.
+    ready = condition(pair, "Ready")
+    assert ready is not None and ready["status"] == "False"
+    columns = space.get_spair("llama")
+    assert "Colocated" in columns and "2024-07-a" in columns
+    # The spec was never touched; kopf keeps its state in annotations.
+    assert pair["spec"]["replicas"] == 2 and "kopf" not in status
+    assert not pair["metadata"].get("finalizers"), "no finalizer: children go by GC"
+
+    # A pass over an unchanged object writes nothing (resync runs every 1 s).
+    def versions() -> dict[str, str]:
+        objects = {
+            "pair": ("pairs", "llama"),
+            "dep": ("deployments", "llama"),
+            "cm": ("configmaps", f"llama-{revision}"),
+            "svc": ("services", "llama"),
         }
-        dep = api(control_plane, "GET", f"/apis/apps/v1/namespaces/{ns}/deployments/llama")
-        cm = api(control_plane, "GET", f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}")
-        svc = api(control_plane, "GET", f"/api/v1/namespaces/{ns}/services/llama")
-        for child in (dep, cm, svc):
-            assert child["metadata"]["ownerReferences"] == [owner]
-            labels = child["metadata"]["labels"]
-            assert labels["app.kubernetes.io/instance"] == "llama"
-            assert labels["app.kubernetes.io/managed-by"] == "specpair-operator"
-        ctr = dep["spec"]["template"]["spec"]["containers"][0]
-        assert ctr["readinessProbe"]["httpGet"]["path"] == "/readyz"
-        assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
-        assert ctr["startupProbe"]["httpGet"]["path"] == "/healthz"
-        assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
-        assert ctr["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-        assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-        assert "speculation:\n  enabled: true" in cm["data"]["runtime.yaml"]
-        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+        return {
+            k: space.read(*where)["metadata"]["resourceVersion"] for k, where in objects.items()
+        }
 
-        # Status: conditions and placement for this generation.
-        assert status["placement"]["mode"] == "Colocated"
-        assert status["placement"]["deviceBytes"] == 80 * 1024**3
-        for cond in status["conditions"]:
-            assert cond["observedGeneration"] == pair["metadata"]["generation"]
-        assert condition(pair, "HeadroomSufficient")["status"] == "True"  # type: ignore[index]
-        # No kubelet: pods never turn ready, so Ready stays False, and says why.
-        ready = condition(pair, "Ready")
-        assert ready is not None and ready["status"] == "False"
-        columns = kubectl("get", "spair", "-n", ns, "llama").stdout
-        assert "Colocated" in columns and "2024-07-a" in columns
-        # The spec was never touched; kopf keeps its state in annotations.
-        assert pair["spec"]["replicas"] == 2 and "kopf" not in status
-        assert not pair["metadata"].get("finalizers"), "no finalizer: children go by GC"
+    space.settled("llama", "a settled status")
+    # Let the controllers finish their own writes (ReplicaSet, pods, status).
+    space.wait(
+        "deployments",
+        "llama",
+        "the Deployment's controllers to settle",
+        lambda d: (
+            d["status"].get("observedGeneration") == d["metadata"]["generation"]
+            and d["status"].get("replicas") == d["spec"]["replicas"]
+        ),
+    )
+    space.settled("llama", "a status that saw it")
+    time.sleep(1.5)
+    before = versions()
+    time.sleep(3.5)
+    assert versions() == before, operator.output()[-3000:]
 
-        # A pass over an unchanged object writes nothing (resync runs every 1 s).
-        def versions() -> dict[str, str]:
-            paths = {
-                "pair": pair_path(ns, "llama"),
-                "dep": f"/apis/apps/v1/namespaces/{ns}/deployments/llama",
-                "cm": f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}",
-                "svc": f"/api/v1/namespaces/{ns}/services/llama",
-            }
-            return {
-                k: api(control_plane, "GET", p)["metadata"]["resourceVersion"]
-                for k, p in paths.items()
-            }
+    # The operator's own metrics.
+    metrics = scrape(operator.metrics_port)
+    # Triggers: the pair's own events, its children's, the start and the resync.
+    assert 'specpair_operator_reconciles_total{result="ok",trigger="resync"}' in metrics
+    assert "specpair_operator_reconcile_duration_seconds_count" in metrics
+    assert 'specpair_operator_writes_total{kind="Deployment",verb="create"} 1.0' in metrics
 
-        wait_for(lambda: settled(control_plane, ns, "llama"), "a settled status")
-        # Let the controllers finish their own writes (ReplicaSet, pods, status).
-        wait_for(
-            lambda: (
-                (d := api(control_plane, "GET", f"/apis/apps/v1/namespaces/{ns}/deployments/llama"))
-                and d["status"].get("observedGeneration") == d["metadata"]["generation"]
-                and d["status"].get("replicas") == d["spec"]["replicas"]
-            ),
-            "the Deployment's controllers to settle",
-        )
-        wait_for(lambda: settled(control_plane, ns, "llama"), "a status that saw it")
-        time.sleep(1.5)
-        before = versions()
-        time.sleep(3.5)
-        assert versions() == before, operator.output()[-3000:]
+    # Scaling changes replicas, not the revision.
+    space.patch("llama", {"spec": {"replicas": 3}})
+    dep = space.wait(
+        "deployments", "llama", "the Deployment to scale", lambda d: d["spec"]["replicas"] == 3
+    )
+    assert revision_of(dep) == revision
+    assert [c["metadata"]["name"] for c in space.list("configmaps", "llama")] == [
+        f"llama-{revision}"
+    ]
 
-        # The operator's own metrics.
-        metrics = scrape(operator.metrics_port)
-        # Triggers: the pair's own events, its children's, the start and the resync.
-        assert 'specpair_operator_reconciles_total{result="ok",trigger="resync"}' in metrics
-        assert "specpair_operator_reconcile_duration_seconds_count" in metrics
-        assert 'specpair_operator_writes_total{kind="Deployment",verb="create"} 1.0' in metrics
-
-        # Scaling changes replicas, not the revision.
-        control_plane_patch(kubectl, ns, "llama", {"spec": {"replicas": 3}})
-        dep = wait_for(
-            lambda: (
-                (
-                    d := get_or_none(
-                        control_plane, f"/apis/apps/v1/namespaces/{ns}/deployments/llama"
-                    )
-                )
-                and d["spec"]["replicas"] == 3
-                and d
-            ),
-            "the Deployment to scale",
-        )
-        assert dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"] == revision
-        cms = items(
-            control_plane,
-            f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dllama",
-        )
-        assert [c["metadata"]["name"] for c in cms] == [f"llama-{revision}"]
-
-        # A live knob changes the config in place, not the revision.
-        control_plane_patch(kubectl, ns, "llama", {"spec": {"speculation": {"maxDepth": 7}}})
-        wait_for(
-            lambda: (
-                "maxDepth: 7"
-                in api(
-                    control_plane, "GET", f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}"
-                )["data"]["runtime.yaml"]
-            ),
-            "the knob in the ConfigMap",
-        )
-        dep = api(control_plane, "GET", f"/apis/apps/v1/namespaces/{ns}/deployments/llama")
-        assert dep["spec"]["template"]["metadata"]["labels"]["specpair.dev/revision"] == revision
+    # A live knob changes the config in place, not the revision.
+    space.patch("llama", {"spec": {"speculation": {"maxDepth": 7}}})
+    space.wait(
+        "configmaps",
+        f"llama-{revision}",
+        "the knob in the ConfigMap",
+        lambda c: "maxDepth: 7" in c["data"]["runtime.yaml"],
+    )
+    assert revision_of(space.read("deployments", "llama")) == revision
 
     # Deleting the pair leaves the children to the garbage collector.
-    kubectl("delete", "spair", "-n", ns, "llama", "--wait=true")
-    for path in (
-        f"/apis/apps/v1/namespaces/{ns}/deployments/llama",
-        f"/api/v1/namespaces/{ns}/services/llama",
-        f"/api/v1/namespaces/{ns}/configmaps/llama-{revision}",
+    space.kubectl("delete", "spair", "-n", space.ns, "llama", "--wait=true")
+    for kind, name in (
+        ("deployments", "llama"),
+        ("services", "llama"),
+        ("configmaps", f"llama-{revision}"),
     ):
         wait_for(
-            lambda p=path: get_or_none(control_plane, p) is None,  # type: ignore[misc]
-            f"{path} to be collected",
+            lambda k=kind, n=name: space.get(k, n) is None,  # type: ignore[misc]
+            f"{kind}/{name} to be collected",
             60,
         )
 
 
 def test_config_maps_of_revisions_that_left_the_history_are_collected(
-    control_plane: ControlPlane,
-    crd_installed: None,
-    kubeconfig: Path,
-    kubectl: Kubectl,
-    k8s_namespace: str,
-    tmp_path: Path,
+    space: PairNamespace, operator: Operator
 ) -> None:
     """Seven versions in a row (no kubelet: none finishes): the oldest ConfigMaps go."""
-    ns = k8s_namespace
-    body = pair_manifest(
-        "gc", version="2024-10-1", replicas=1, resources={"gpus": 1, "gpuMemory": "80Gi"}
-    )
-    cms = f"/api/v1/namespaces/{ns}/configmaps?labelSelector=app.kubernetes.io/instance%3Dgc"
+    body = pair_manifest("gc", version="2024-10-1", replicas=1, resources=GPU_80)
 
     def history() -> list[dict[str, Any]]:
-        status = (get_or_none(control_plane, pair_path(ns, "gc")) or {}).get("status") or {}
+        status = (space.get("pairs", "gc") or {}).get("status") or {}
         return list(status.get("revisions") or [])
 
     def config_map_revisions() -> set[str]:
-        found = items(control_plane, cms)
+        found = space.list("configmaps", "gc")
         return {c["metadata"]["labels"]["specpair.dev/revision"] for c in found}
 
-    with running_operator(kubeconfig, tmp_path, [ns]):
-        create_pair(control_plane, ns, body)
-        for n in range(1, 8):
-            version = f"2024-10-{n}"
-            if n > 1:
-                control_plane_patch(kubectl, ns, "gc", {"spec": {"version": version}})
-            wait_for(
-                lambda v=version: (h := history()) and h[-1]["version"] == v,  # type: ignore[misc]
-                f"version {version} in the history",
-            )
-        entries = history()
-        assert [e["version"] for e in entries] == [f"2024-10-{n}" for n in range(3, 8)]
-        assert [e["outcome"] for e in entries] == ["Superseded"] * 4 + ["Progressing"]
-        kept = {e["revision"] for e in entries}
-        wait_for(lambda: config_map_revisions() == kept, "the older ConfigMaps to go")
+    space.create(body)
+    for n in range(1, 8):
+        version = f"2024-10-{n}"
+        if n > 1:
+            space.patch("gc", {"spec": {"version": version}})
+        wait_for(
+            lambda v=version: (h := history()) and h[-1]["version"] == v,  # type: ignore[misc]
+            f"version {version} in the history",
+        )
+    entries = history()
+    assert [e["version"] for e in entries] == [f"2024-10-{n}" for n in range(3, 8)]
+    assert [e["outcome"] for e in entries] == ["Superseded"] * 4 + ["Progressing"]
+    kept = {e["revision"] for e in entries}
+    wait_for(lambda: config_map_revisions() == kept, "the older ConfigMaps to go")
+
+
+def test_lists_come_in_pages(space: PairNamespace) -> None:
+    """The operator's start-up lists (and kopf's) are paged: one page in memory at a time."""
+    from kubernetes import config
+
+    from specpair_operator.kube import Kube
+
+    for index in range(5):
+        body = {"metadata": {"name": f"page-{index}", "labels": {"paged": "yes"}}}
+        api(space.plane, "POST", space.path("configmaps"), body)
+    client = config.new_client_from_config(config_file=str(space.plane.kubeconfig_path))  # type: ignore[no-untyped-call]
+    kube = Kube(client)
+    pages = list(kube.pages(space.path("configmaps"), "paged=yes", limit=2))
+    assert [len(page) for page in pages] == [2, 2, 1]
+    names = [cm["metadata"]["name"] for page in pages for cm in page]
+    assert sorted(names) == [f"page-{index}" for index in range(5)]

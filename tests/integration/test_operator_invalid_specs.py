@@ -227,6 +227,33 @@ def test_what_v1_20_stores_the_operator_reports_once(
     assert "Traceback" not in operator.output()
 
 
+def test_a_field_the_crd_does_not_declare_is_pruned_and_named_once(
+    control_plane: ControlPlane,
+    crds: None,
+    operator: Operator,
+    kubectl: Kubectl,
+    k8s_namespace: str,
+) -> None:
+    ns = k8s_namespace
+    body = pair("typo")
+    body["spec"]["tragetTypo"] = {"source": "hf://meta-llama/Llama-3.1-8B-Instruct@main"}
+    # What v1.20 needs for this CRD (docs): no client-side check, and the apiserver
+    # prunes what the schema does not declare, silently.
+    kubectl("apply", "--validate=false", "-n", ns, "-f", "-", input=yaml.safe_dump(body))
+    assert "tragetTypo" not in get(control_plane, pair_path(ns, "typo"))["spec"]
+
+    def pruned() -> list[dict[str, Any]]:
+        found = warnings_for(control_plane, ns, "typo")
+        return [e for e in found if e["reason"] == "FieldsPruned"]
+
+    (event,) = wait_for(pruned, "the FieldsPruned Warning")
+    assert "spec.tragetTypo" in event["message"]
+    # The pair itself is valid as stored, so it deploys.
+    wait_for(lambda: children(control_plane, ns, "typo"), "the children")
+    time.sleep(QUIET_SECONDS)  # later passes warn no more
+    assert len(pruned()) == 1
+
+
 def test_a_rejection_only_the_apiserver_can_make_is_reported_and_clears(
     control_plane: ControlPlane, crds: None, operator: Operator, k8s_namespace: str
 ) -> None:

@@ -141,6 +141,8 @@ def test_acceptance_parser_reads_vllm_counters(speculative: VllmServer) -> None:
     assert positions == sorted(positions, reverse=True)
     assert sum(positions) == sample.accepted
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in text
+    # Each drafting step commits its accepted drafts and one token of the target's.
+    assert sample.steps + sample.accepted <= sample.generated
 
 
 # --- the gate sidecar -------------------------------------------------------------------

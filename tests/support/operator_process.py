@@ -175,12 +175,13 @@ def settled(plane: ControlPlane, ns: str, name: str) -> dict[str, Any] | None:
 
 
 def apply_crds(kubectl: Kubectl) -> None:
-    # kubectl checks a manifest against the *server's* OpenAPI when the server
-    # cannot validate fields itself (< 1.25). v1.20's JSONSchemaProps predates
-    # x-kubernetes-validations, so kubectl would refuse the CEL rules that the
-    # apiserver itself accepts (and drops). --validate=warn validates on the
-    # server where it can (>= 1.25: the supported clusters) and skips it here.
-    kubectl("apply", "--validate=warn", "-f", str(ROOT / "crds"))
+    # The documented command for apiservers older than 1.25: kubectl checks a
+    # manifest against the *server's* OpenAPI when the server cannot validate
+    # fields itself, and v1.20's JSONSchemaProps predates x-kubernetes-validations,
+    # so kubectl would refuse the CEL rules that the apiserver itself accepts (and
+    # drops). --validate=false is what every kubectl version takes (kubectl < 1.25
+    # has no --validate=warn).
+    kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
 
 
 def install_crds(kubectl: Kubectl) -> None:

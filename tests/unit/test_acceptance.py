@@ -35,6 +35,26 @@ def test_parse_metrics_reads_the_runtime_counters() -> None:
     assert sample.fallbacks == {"memory_pressure": 2.0, "batch_size": 0.0}
 
 
+VLLM_METRICS = """\
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="pair"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="pair"} 40.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="pair"} 25.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="pair",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="pair",position="1"} 7.0
+vllm:generation_tokens_total{engine="0",model_name="pair"} 50.0
+"""
+
+
+def test_parse_metrics_reads_vllm_counters_into_the_same_fields() -> None:
+    sample = parse_metrics(VLLM_METRICS)
+    assert (sample.steps, sample.drafted, sample.accepted, sample.generated) == (10, 40, 25, 50)
+    assert sample.per_position == {0: 9.0, 1: 7.0}
+    win = window({}, {"pod": sample})
+    assert win.speculated_share == (10 + 25) / 50
+    assert win.position_rates == [0.9, 0.7]
+
+
 def test_parse_metrics_of_a_fresh_runtime_is_zero_and_speculating() -> None:
     sample = parse_metrics("# nothing yet\n")
     assert (sample.drafted, sample.accepted, sample.steps, sample.speculating) == (0, 0, 0, True)
@@ -106,5 +126,15 @@ def test_parse_metrics_reads_what_the_runtime_server_exports() -> None:
     exported.speculation_enabled.set(0)
     sample = parse_metrics(exported.render().decode())
     assert (sample.drafted, sample.accepted, sample.steps) == (12.0, 8.0, 3.0)
+    assert sample.generated == 11.0  # 8 accepted + 3 target tokens
     assert not sample.speculating
     assert speculation_off({"p": sample}, {}) == [("p", "memory_pressure")]
+
+
+def test_speculated_share_counts_the_tokens_of_speculating_steps() -> None:
+    # 10 speculating steps committed 10 + 30 tokens; 60 came from target-only steps.
+    win = window({}, {"a": PodSample(drafted=40, accepted=30, steps=10, generated=100)})
+    assert win.generated == 100 and win.speculated_share == pytest.approx(0.4)
+    assert window({}, {"a": PodSample(4, 3, 1)}).speculated_share is None  # nothing generated
+    # A row that stopped inside its accepted drafts committed fewer: never above 1.
+    assert window({}, {"a": PodSample(8, 8, 2, generated=9)}).speculated_share == 1.0

@@ -83,6 +83,33 @@ def test_degraded_wins_over_ready() -> None:
     assert argocd_health(pair)["status"] == "Degraded"
 
 
+@pytest.mark.parametrize(
+    ("status", "reason", "said"),
+    [
+        ("False", "LowAcceptance", True),
+        ("False", "RuntimeFellBack", True),
+        ("False", "MostlyTargetOnly", True),
+        ("False", "SpeculationOff", False),  # on purpose: HeadroomSufficient or the spec says so
+        ("Unknown", "NotMeasured", False),
+        ("True", "Effective", False),
+    ],
+)
+def test_a_draft_that_does_not_help_is_healthy_and_said(
+    status: str, reason: str, said: bool
+) -> None:
+    # Still serving the target's output: Healthy, with the reason in the message.
+    pair = copy.deepcopy(fixture("healthy"))
+    ready = next(c for c in pair["status"]["conditions"] if c["type"] == "Ready")
+    pair["status"]["conditions"].append(
+        {**ready, "type": "SpeculationEffective", "status": status, "reason": reason,
+         "message": "acceptance 0.000 over 404 drafted tokens"}
+    )  # fmt: skip
+    health = argocd_health(pair)
+    assert health["status"] == "Healthy"
+    expected = f"the draft is not helping: {reason}: acceptance 0.000 over 404"
+    assert (expected in health["message"]) is said, health["message"]
+
+
 def test_it_runs_on_lua_5_1() -> None:
     # gopher-lua, Argo CD's interpreter, is Lua 5.1: the tests must run that language.
     assert argocd_health(fixture("healthy"), probe="_VERSION")["status"] == "Lua 5.1"

@@ -193,7 +193,7 @@ def test_cluster_role_grants_what_deploy_rbac_grants(control_plane_binaries: Bin
         yaml.safe_load((ROOT / "deploy/rbac/cluster_role.yaml").read_text())["rules"]
     )
     objects = render(control_plane_binaries)
-    (role,) = find(objects, "ClusterRole")
+    (role,) = find(objects, "ClusterRole", "specpair-specpair-operator")
     assert rule_set(role["rules"]) == expected
     # The one namespaced Role: the leader-election Lease, in the release's namespace.
     (lease_role,) = find(objects, "Role")
@@ -228,7 +228,7 @@ def test_watched_namespaces_get_a_role_each(control_plane_binaries: Binaries) ->
     assert sorted(
         b["metadata"]["namespace"] for b in bindings if b["roleRef"]["name"].endswith("operator")
     ) == ["team-a", "team-b"]
-    (cluster_role,) = find(objects, "ClusterRole")
+    (cluster_role,) = find(objects, "ClusterRole", "specpair-specpair-operator-cluster")
     cluster = rule_set(cluster_role["rules"])
     # Only cluster-scoped reads stay cluster-wide; everything else is per namespace.
     # kopf lists and watches namespaces when it is given a namespace list.
@@ -278,3 +278,33 @@ def test_monitoring_objects(control_plane_binaries: Binaries) -> None:
     assert json.loads(dashboard["data"]["specpair.json"]) == json.loads(
         (CHART / "dashboards" / "specpair.json").read_text()
     )
+
+
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def test_user_roles_aggregate_into_view_edit_and_admin(control_plane_binaries: Binaries) -> None:
+    """The users' roles on pairs, as deploy/rbac/user_roles.yaml; view can only read."""
+    documents = yaml.safe_load_all((ROOT / "deploy/rbac/user_roles.yaml").read_text())
+    expected = {d["metadata"]["name"].removeprefix("specpair-"): d for d in documents}
+    objects = render(control_plane_binaries)
+    for kind in ("view", "edit"):
+        (role,) = find(objects, "ClusterRole", f"specpair-specpair-operator-{kind}")
+        assert rule_set(role["rules"]) == rule_set(expected[kind]["rules"]), kind
+        aggregated = {
+            k.removeprefix(AGGREGATE) for k in role["metadata"]["labels"] if AGGREGATE in k
+        }
+        wanted = {
+            k.removeprefix(AGGREGATE)
+            for k in expected[kind]["metadata"]["labels"]
+            if AGGREGATE in k
+        }
+        assert aggregated == wanted
+    assert wanted == {"edit", "admin"}
+    view = rule_set(expected["view"]["rules"])
+    assert {verb for _, _, verb in view} == {"get", "list", "watch"}
+    assert ("specpair.dev", "speculativepairs/scale", "update") in rule_set(
+        expected["edit"]["rules"]
+    )
+    assert not find(render(control_plane_binaries, {"rbac.userRoles": "false"}), "ClusterRole",
+                    "specpair-specpair-operator-view")  # fmt: skip

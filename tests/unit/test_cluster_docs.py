@@ -86,3 +86,21 @@ def test_api_reference_states_the_exclusive_bounds() -> None:
     api_md = (ROOT / "docs" / "api.md").read_text()
     row = next(line for line in api_md.splitlines() if line.startswith("| `headroomFraction`"))
     assert ">= 0.0; < 1.0" in row
+
+
+SUPPORTED = "specpair supports Kubernetes 1.27 and newer"
+
+
+def test_one_supported_version_statement() -> None:
+    """README, the chart's README and operator.md state the same floor, and no other."""
+    docs = [
+        ROOT / "README.md",
+        ROOT / "charts/specpair-operator/README.md",
+        ROOT / "docs/operator.md",
+    ]
+    for doc in docs:
+        text = " ".join(doc.read_text().split())
+        assert SUPPORTED in text, doc
+        floors = set(re.findall(r"(?:supports|supported:?) Kubernetes (1\.\d+)", text, re.I))
+        assert floors == {"1.27"}, (doc, floors)
+        assert "--validate=warn" not in text, doc  # kubectl < 1.25 has no warn: one spelling

@@ -63,7 +63,17 @@ def test_names_columns_and_subresource() -> None:
     assert spec["names"]["shortNames"] == ["spair"]
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1" and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    # The scale subresource: `kubectl scale spair`, HPAs and KEDA target the pair.
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["replicas"]["type"] == "integer" and status["selector"]["type"] == "string"
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == ["Version", "Serving", "Mode", "Ready", "Acceptance", "Age"]
 

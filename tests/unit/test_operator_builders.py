@@ -168,6 +168,16 @@ def test_service_selects_the_pods() -> None:
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
 
 
+def test_scale_selector_selects_the_deployments_pods() -> None:
+    """status.selector (the scale subresource's) is the Deployment's selector as a string."""
+    dep = builders.deployment(PAIR, sample_spec(), "r1")
+    selector = builders.selector_string(PAIR)
+    assert selector == "app.kubernetes.io/instance=llama,app.kubernetes.io/name=specpair"
+    wanted = dict(part.split("=") for part in selector.split(","))
+    assert wanted == dep["spec"]["selector"]["matchLabels"]
+    assert wanted.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_builders_are_deterministic_and_hash_tracks_content() -> None:
     spec = sample_spec()
     assert builders.deployment(PAIR, spec, REV) == builders.deployment(PAIR, spec, REV)

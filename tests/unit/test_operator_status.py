@@ -76,6 +76,16 @@ def test_ready_pair() -> None:
     assert (status["replicas"], status["readyReplicas"]) == (2, 2)
 
 
+def test_scale_status_carries_replicas_and_the_pods_selector() -> None:
+    """What the scale subresource reads: the Deployment's pods and the selector string."""
+    selector = "app.kubernetes.io/instance=p,app.kubernetes.io/name=specpair"
+    obs = Observation(5, "r1", a_plan(80), DEVICE80, deployment(3, 3, 1), selector=selector)
+    status = build_status(obs, {}, now=NOW)
+    assert (status["replicas"], status["readyReplicas"], status["selector"]) == (3, 1, selector)
+    missing = Observation(5, "r1", a_plan(80), DEVICE80, None, selector=selector)
+    assert build_status(missing, {}, now=NOW)["replicas"] == 0
+
+
 def test_rolling_out_keeps_the_old_current_revision() -> None:
     previous = build_status(
         Observation(5, "r1", a_plan(80), DEVICE80, deployment(2, 2, 2), version="v1"), {}, now=NOW
@@ -217,3 +227,25 @@ def test_held_revision_is_degraded_rollout_failed() -> None:
     assert conds(status)["Ready"] == ("False", "RolledBack")
     assert status["currentRevision"] == "r1"
     assert (status["servingVersion"], status["desiredVersion"]) == ("unknown", "v2")
+
+
+def test_speculation_effective_follows_the_scraped_interval() -> None:
+    knobs = {"enabled": True, "maxDepth": 4}
+    obs = Observation(
+        1, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1), knobs=knobs, break_even=0.15
+    )
+    first = build_status(obs, {}, now=NOW)
+    assert conds(first)["SpeculationEffective"] == ("Unknown", "NotMeasured")
+    never = {"rate": 0.0, "draftedTokens": 404, "revision": "r1", "speculationOff": []}
+    status = build_status(obs, {**first, "acceptance": never}, now=NOW)
+    assert conds(status)["SpeculationEffective"] == ("False", "LowAcceptance")
+    # Still serving: the draft not helping is neither Ready=False nor Degraded.
+    assert conds(status)["Ready"] == ("True", "Serving")
+    assert conds(status)["Degraded"] == ("False", "AsExpected")
+    off = build_status(
+        Observation(1, "r1", a_plan(80), DEVICE80, deployment(1, 1, 1), knobs={"enabled": False},
+                    break_even=0.15),
+        {**first, "acceptance": never},
+        now=NOW,
+    )  # fmt: skip
+    assert conds(off)["SpeculationEffective"] == ("False", "SpeculationOff")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
-from specpair_operator.store import DEPLOYMENT, Store
+from specpair_operator.store import DEPLOYMENT, POD, Store
 from specpair_operator.workqueue import ShutDown, WorkQueue
 
 
@@ -65,7 +66,7 @@ def test_shutdown_wakes_a_waiting_worker() -> None:
     assert raised.is_set()
 
 
-def obj(name: str, version: str, labels: dict[str, str] | None = None) -> dict[str, object]:
+def obj(name: str, version: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "metadata": {
             "name": name,
@@ -90,3 +91,40 @@ def test_store_keeps_the_newest_copy() -> None:
     assert store.select(DEPLOYMENT, "other", {}) == []
     store.remove(DEPLOYMENT, "ns", "a")
     assert store.get(DEPLOYMENT, "ns", "a") is None
+
+
+def test_store_finds_a_pairs_objects_by_index_and_follows_relabels() -> None:
+    store = Store()
+    instance = "app.kubernetes.io/instance"
+    for name, pair in (("a-1", "a"), ("a-2", "a"), ("b-1", "b")):
+        store.put(POD, obj(name, "1", {instance: pair, "rev": "r1"}))
+    names = {o["metadata"]["name"] for o in store.select(POD, "ns", {instance: "a"})}
+    assert names == {"a-1", "a-2"}
+    assert [
+        o["metadata"]["name"] for o in store.select(POD, "ns", {instance: "a", "rev": "r2"})
+    ] == []
+    store.put(POD, obj("a-2", "2", {instance: "b", "rev": "r1"}))  # relabelled
+    assert {o["metadata"]["name"] for o in store.select(POD, "ns", {instance: "b"})} == {
+        "b-1",
+        "a-2",
+    }
+    store.remove(POD, "ns", "a-1")
+    assert store.select(POD, "ns", {instance: "a"}) == []
+    assert store.select(POD, "other", {instance: "b"}) == []
+    assert len(store.select(POD, None, {instance: "b"})) == 2  # all namespaces: a scan
+
+
+def test_store_keeps_of_a_pod_only_what_the_operator_reads() -> None:
+    pod = obj("p", "1")
+    pod["spec"] = {
+        "containers": [{"name": "runtime", "image": "i", "ports": [{"containerPort": 8000}]}],
+        "volumes": [{"name": "v"}],
+    }
+    pod["status"] = {"podIP": "10.0.0.1", "phase": "Running"}
+    store = Store()
+    store.put(POD, pod)
+    kept = store.peek(POD, "ns", "p")
+    assert kept is not None
+    assert kept["spec"] == {"containers": [{"name": "runtime", "ports": [{"containerPort": 8000}]}]}
+    assert kept["status"] == pod["status"] and "managedFields" not in kept["metadata"]
+    assert pod["spec"]["volumes"] and pod["metadata"]["managedFields"]  # the event is untouched

@@ -10,6 +10,8 @@
 --   3. a status older than the spec (status.observedGeneration)         -> Progressing
 --   4. Progressing=True (a rollout or a scale-up is under way)          -> Progressing
 --   5. Ready=True (serving at the current revision)                     -> Healthy
+--      (the message adds TargetOnly, or SpeculationEffective=False: still
+--      serving the target's output, but the draft is not helping)
 --   6. anything else (pods not ready yet)                               -> Progressing
 local hs = {}
 
@@ -71,6 +73,11 @@ if ready ~= nil and ready.status == "True" then
   if headroom ~= nil and headroom.status == "False" then
     -- Serving, but without speculation (the draft does not fit the GPU).
     hs.message = hs.message .. "; " .. say(headroom, "speculation is off")
+  end
+  local effective = condition(status, "SpeculationEffective")
+  if effective ~= nil and effective.status == "False" and effective.reason ~= "SpeculationOff" then
+    -- Still serving the target's output, but the draft does not speed it up.
+    hs.message = hs.message .. "; the draft is not helping: " .. say(effective, effective.reason)
   end
   return hs
 end

@@ -76,10 +76,10 @@ listed (their IPs). No secrets.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, update]
-# Rollback reads the last good pod template from its ReplicaSet.
+# Rollback reads the last good pod template from its ReplicaSet (listed, not watched).
 - apiGroups: [apps]
   resources: [replicasets]
-  verbs: [list, watch]
+  verbs: [list]
 # engine vllm past one node: a LeaderWorkerSet (its CRD and controller come with LWS).
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
@@ -103,4 +103,45 @@ listed (their IPs). No secrets.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+{{- end }}
+
+{{/*
+Users' rules on pairs, kept identical to deploy/rbac/user_roles.yaml. view: read
+pairs, their status and their scale. edit (and admin): also write them, and scale
+them (`kubectl scale spair`, what an HPA's owner may do).
+*/}}
+{{- define "specpair-operator.viewRules" -}}
+- apiGroups: [specpair.dev]
+  resources: [speculativepairs, speculativepairs/status, speculativepairs/scale]
+  verbs: [get, list, watch]
+{{- end }}
+
+{{- define "specpair-operator.editRules" -}}
+- apiGroups: [specpair.dev]
+  resources: [speculativepairs]
+  verbs: [create, update, patch, delete, deletecollection]
+- apiGroups: [specpair.dev]
+  resources: [speculativepairs/scale]
+  verbs: [update, patch]
+{{- end }}
+
+{{/*
+Fail the render, so that Helm creates nothing and records no release, when a
+watched namespace does not exist: its Role could not be created, and a failed
+release left behind would make the retry fail too. Offline renders (helm
+template, Argo CD) cannot look namespaces up: lookup finds not even kube-system
+there, and the check is skipped.
+*/}}
+{{- define "specpair-operator.watchedNamespacesExist" -}}
+{{- if and .Values.watchedNamespaces (lookup "v1" "Namespace" "" "kube-system") }}
+{{- $missing := list }}
+{{- range $ns := .Values.watchedNamespaces }}
+{{- if not (lookup "v1" "Namespace" "" $ns) }}
+{{- $missing = append $missing $ns }}
+{{- end }}
+{{- end }}
+{{- if $missing }}
+{{- fail (printf "watchedNamespaces: namespace(s) %s do not exist; create them first (kubectl create namespace %s), then install again: nothing was installed" (join ", " $missing) (join " " $missing)) }}
+{{- end }}
+{{- end }}
 {{- end }}
