@@ -40,10 +40,16 @@ from tools.wheelhouse import Wheelhouse, ensure_wheelhouse
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUTS_LABEL = "dev.specpair.inputs"
-RUNTIME_CPU_IMAGE = "specpair/runtime:dev-cpu"
-OPERATOR_IMAGE = "specpair/operator:dev"
+# The names `make images` gives (its RUNTIME_CPU_IMAGE and OPERATOR_IMAGE
+# variables reach here, and the node, through these environment variables).
+RUNTIME_CPU_IMAGE = os.environ.get("SPECPAIR_RUNTIME_CPU_IMAGE") or "specpair/runtime:dev-cpu"
+OPERATOR_IMAGE = os.environ.get("SPECPAIR_OPERATOR_IMAGE") or "specpair/operator:dev"
 LOG_PREFIX = "[images]"
 SKIPPED_PARTS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+
+
+class ImagesUnavailable(BuildError):
+    """No Docker daemon can run here; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +216,7 @@ def build_images(
     try:
         docker = ensure_docker(cache, progress)
     except DockerError as err:
-        raise BuildError(str(err)) from err
+        raise ImagesUnavailable(str(err)) from err
     base = ensure_base_image(docker, cache, progress)
     built = [
         build_image(docker, recipe, name, base, cache, progress)
@@ -235,10 +241,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cache", type=Path, default=None, help="default: $SPECPAIR_CACHE or ~/.cache/specpair"
     )
+    parser.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="where no Docker daemon can run, say why and exit 0 (make test)",
+    )
     args = parser.parse_args(argv)
     began = time.monotonic()
     try:
         docker, built = build_images(args.runtime_cpu_image, args.operator_image, args.cache)
+    except ImagesUnavailable as err:
+        if args.skip_unavailable:
+            print(f"images skipped: {err}", file=sys.stderr)
+            return 0
+        print(f"make images failed: {err}", file=sys.stderr)
+        return 1
     except BuildError as err:
         print(f"make images failed: {err}", file=sys.stderr)
         return 1
