@@ -10,9 +10,12 @@ The project's daemon comes from Debian's ``docker.io`` (installed when
 missing), keeps its images under ``$SPECPAIR_CACHE/docker`` and stays up after
 the command that started it, so the next `make images` or node reuses it. It
 runs without a bridge or iptables rules of its own (``--bridge=none
---iptables=false``): image builds run with ``--network=none`` (a wheelhouse
+--iptables=false --ip-forward=false``): image builds run with ``--network=none`` (a wheelhouse
 replaces the network) and pods get their network from the node's CNI.
-`stop_project_daemon()` stops it.
+Where root lacks CAP_SYS_RESOURCE (so no container may get the negative OOM
+score adjustment the kubelet asks for), its default runtime is runc behind
+tools/runc_oom_clamp.py. `stop_project_daemon()` stops it; a daemon started
+with other arguments than these is restarted.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ DEFAULT_SOCKET = Path("/var/run/docker.sock")
 # path keeps containerd's socket paths under the 108-byte limit.
 EXEC_ROOT = Path("/run/specpair-docker")
 START_TIMEOUT_S = 90.0
+CAP_SYS_RESOURCE = 24
+CLAMP_RUNTIME = "specpair-runc"
 
 
 class DockerError(RuntimeError):
@@ -132,6 +137,15 @@ class ProjectDaemon:
     def host(self) -> str:
         return f"unix://{self.socket}"
 
+    @property
+    def args_file(self) -> Path:
+        """The command line the running daemon was started with."""
+        return EXEC_ROOT / "dockerd.args.json"
+
+    @property
+    def runc_wrapper(self) -> Path:
+        return self.root / "runc-oom-clamp"
+
     def pid(self) -> int | None:
         """The running daemon's pid, from its pidfile; None when it is not running."""
         try:
@@ -155,31 +169,29 @@ def _dockerd() -> str | None:
     )
 
 
-def reachable_docker() -> Docker | None:
-    """A daemon that already answers (DOCKER_HOST, the default socket, or ours)."""
+def users_docker() -> Docker | None:
+    """A daemon the user runs: ``DOCKER_HOST`` (which must answer) or the default socket."""
     cli = _cli(Path("/usr/bin/docker"))
-    if cli is None:
-        return None
     env_host = os.environ.get("DOCKER_HOST")
-    hosts = [env_host] if env_host else [f"unix://{DEFAULT_SOCKET}", ProjectDaemon(Path()).host]
-    for host in hosts:
-        docker = Docker(cli, host)
+    if env_host:
+        if cli is None or not Docker(cli, env_host).answers():
+            raise DockerError(
+                f"DOCKER_HOST={env_host} does not answer `docker version`; "
+                "unset it to use the project's own dockerd"
+            )
+        return Docker(cli, env_host)
+    if cli is not None and DEFAULT_SOCKET.exists():
+        docker = Docker(cli, f"unix://{DEFAULT_SOCKET}")
         if docker.answers():
             return docker
     return None
 
 
 def ensure_docker(cache_dir: Path, progress: Progress) -> Docker:
-    """A Docker that answers: one already running, else the project's, started now."""
-    env_host = os.environ.get("DOCKER_HOST")
-    found = reachable_docker()
+    """A Docker that answers: the user's, else the project's (started if need be)."""
+    found = users_docker()
     if found is not None:
         return found
-    if env_host:
-        raise DockerError(
-            f"DOCKER_HOST={env_host} does not answer `docker version`; "
-            "unset it to use the project's own dockerd"
-        )
     if os.geteuid() != 0:
         raise DockerError(
             "no Docker daemon answers, and starting the project's own dockerd needs root "
@@ -192,17 +204,16 @@ def ensure_docker(cache_dir: Path, progress: Progress) -> Docker:
     return start_project_daemon(daemon, progress)
 
 
-def start_project_daemon(daemon: ProjectDaemon, progress: Progress) -> Docker:
-    """Start the project's dockerd, detached (it outlives this process), and wait for it."""
-    dockerd = _dockerd()
-    cli = _cli(Path("/usr/bin/docker"))
-    if dockerd is None or cli is None:
-        raise DockerError("dockerd or the docker CLI is missing after installing docker.io")
-    docker = Docker(cli, daemon.host)
-    if daemon.pid() is not None and docker.answers():
-        return docker
-    EXEC_ROOT.mkdir(parents=True, exist_ok=True)
-    daemon.data_root.mkdir(parents=True, exist_ok=True)
+def can_lower_oom_scores() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE (needed for a negative OOM adjustment)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_RESOURCE & 1)
+    return True
+
+
+def daemon_argv(dockerd: str, daemon: ProjectDaemon, clamp_oom: bool) -> list[str]:
+    """The project's dockerd command line (pure)."""
     argv = [
         dockerd,
         f"--data-root={daemon.data_root}",
@@ -212,8 +223,49 @@ def start_project_daemon(daemon: ProjectDaemon, progress: Progress) -> Docker:
         "--bridge=none",
         "--iptables=false",
         "--ip-masq=false",
+        "--ip-forward=false",
         "--log-level=warn",
     ]
+    if clamp_oom:
+        argv += [
+            f"--add-runtime={CLAMP_RUNTIME}={daemon.runc_wrapper}",
+            f"--default-runtime={CLAMP_RUNTIME}",
+        ]
+    return argv
+
+
+def _install_wrapper(daemon: ProjectDaemon) -> dict[str, str]:
+    """Put the runc wrapper beside the daemon's data; the env that tells it where runc is."""
+    source = Path(__file__).with_name("runc_oom_clamp.py")
+    partial = daemon.runc_wrapper.with_suffix(".partial")
+    partial.write_text(source.read_text())
+    partial.chmod(0o755)
+    partial.replace(daemon.runc_wrapper)
+    runc = shutil.which("runc") or "/usr/sbin/runc"
+    return {"SPECPAIR_RUNC": runc}
+
+
+def start_project_daemon(daemon: ProjectDaemon, progress: Progress) -> Docker:
+    """Start the project's dockerd, detached (it outlives this process), and wait for it."""
+    dockerd = _dockerd()
+    cli = _cli(Path("/usr/bin/docker"))
+    if dockerd is None or cli is None:
+        raise DockerError("dockerd or the docker CLI is missing after installing docker.io")
+    docker = Docker(cli, daemon.host)
+    clamp_oom = not can_lower_oom_scores()
+    argv = daemon_argv(dockerd, daemon, clamp_oom)
+    if daemon.pid() is not None:
+        started_with = daemon.args_file.read_text() if daemon.args_file.is_file() else ""
+        if started_with == json.dumps(argv) and docker.answers():
+            return docker
+        progress.say("restarting the project's dockerd with its current arguments")
+        stop_project_daemon(daemon.root.parent)
+    EXEC_ROOT.mkdir(parents=True, exist_ok=True)
+    daemon.data_root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if clamp_oom:
+        env.update(_install_wrapper(daemon))
+        progress.say("no CAP_SYS_RESOURCE here: containers' OOM score adjustments are clamped")
     with progress.step(f"starting the project's dockerd (data {daemon.data_root})"):
         with daemon.log.open("ab") as log:
             subprocess.Popen(
@@ -221,8 +273,10 @@ def start_project_daemon(daemon: ProjectDaemon, progress: Progress) -> Docker:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=env,
                 start_new_session=True,  # stays up for the next build or node
             )
+        daemon.args_file.write_text(json.dumps(argv))
         deadline = time.monotonic() + START_TIMEOUT_S
         while not docker.answers():
             if time.monotonic() > deadline:

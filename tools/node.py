@@ -55,6 +55,8 @@ PAUSE_IMAGE = f"specpair/pause:{K8S_VERSION}"
 # iptables for kube-proxy and the CNI plugins, conntrack for kube-proxy's UDP cleanup.
 NODE_PACKAGES = ("containernetworking-plugins", "iptables", "conntrack")
 LOG_PREFIX = "[node]"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+KUBEPODS_CGROUP = "kubepods"  # the kubelet's --cgroup-root / QoS tree (cgroupfs driver)
 READY_TIMEOUT_S = 180.0
 LOCK_WAIT_S = 1800.0
 
@@ -310,7 +312,8 @@ class Node:
     ) -> None:
         self.plane, self.docker, self.network, self.paths = plane, docker, network, paths
         self.progress = progress
-        paths.logs.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(paths.logs, ignore_errors=True)  # this run's logs only
+        paths.logs.mkdir(parents=True)
         self.processes = ProcessGroup(paths.logs)
         self._proxy_healthz = 0
 
@@ -389,6 +392,17 @@ def remove_pods(docker: Docker, paths: NodePaths) -> None:
         unmount_under(folder)
         shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(paths.run / "cni", ignore_errors=True)
+    paths.dockershim_socket.unlink(missing_ok=True)
+    remove_pod_cgroups()
+
+
+def remove_pod_cgroups(root: Path = CGROUP_ROOT) -> None:
+    """Remove the kubelet's ``kubepods`` cgroups (empty once its containers are gone)."""
+    for top in sorted(root.glob(f"*/{KUBEPODS_CGROUP}")) + sorted(root.glob(KUBEPODS_CGROUP)):
+        folders = [top, *(p for p in top.rglob("*") if p.is_dir())]
+        for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def unmount_under(folder: Path) -> None:
@@ -501,6 +515,8 @@ class NodeCluster:
         except DockerError as err:
             raise NodeUnavailable(f"no Docker daemon: {err}") from err
         self._clean_leftovers()
+        # Before anything else starts: the first build takes minutes.
+        self._ensure_images()
         try:
             self._forward = node_network.setup(self.network)
         except NetworkError as err:
@@ -517,7 +533,6 @@ class NodeCluster:
                 raise NodeError(str(err)) from None
         port = int(self._plane.server_url.rsplit(":", 1)[1])
         node_network.install_guard(self.network, port)
-        self._ensure_images()
         with progress.step(f"kubelet, kube-scheduler and kube-proxy (node {NODE_NAME})"):
             self._node = Node(self._plane, self._docker, self.network, self.paths, progress)
             self._node.start()
