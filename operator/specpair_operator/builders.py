@@ -327,9 +327,7 @@ def container(spec: SpeculativePairSpec, mounts: list[dict[str, Any]]) -> dict[s
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # The image's `sleep` (coreutils; both runtime images have it).
-        "lifecycle": {
-            "preStop": {"exec": {"command": ["sleep", str(ENDPOINT_GRACE_SECONDS)]}}
-        },
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENDPOINT_GRACE_SECONDS)]}}},
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUNTIME_UID,
