@@ -65,7 +65,10 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop
 
 
-def _write_state(cache: Path, server: str, kubeconfig: Path, mode: str, node: bool) -> Path:
+def _write_state(
+    cache: Path, server: str, kubeconfig: Path, mode: str, docker_host: str | None = None
+) -> Path:
+    """What `status` shows, and where the node's Docker is (``docker_host``, with --node)."""
     state = _state_path(cache)
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(
@@ -75,7 +78,8 @@ def _write_state(cache: Path, server: str, kubeconfig: Path, mode: str, node: bo
                 "server": server,
                 "kubeconfig": str(kubeconfig),
                 "authorization_mode": mode,
-                "node": node,
+                "node": docker_host is not None,
+                "docker_host": docker_host,
             }
         )
     )
@@ -88,7 +92,9 @@ def cmd_start_node(cache: Path, runtime_image: str | None, operator_image: str |
     state = _state_path(cache)
     try:
         cluster.start()
-        _write_state(cache, cluster.plane.server_url, cluster.kubeconfig_path, "RBAC", True)
+        _write_state(
+            cache, cluster.plane.server_url, cluster.kubeconfig_path, "RBAC", cluster.docker.host
+        )
         print(f"export KUBECONFIG={cluster.kubeconfig_path}", flush=True)
         print(
             f"# node {NODE_NAME} Ready; {cluster.plane.server_url}, RBAC; images "
@@ -124,9 +130,7 @@ def cmd_start(cache: Path, rbac: bool) -> int:
     state = _state_path(cache)
     try:
         plane.start()
-        _write_state(
-            cache, plane.server_url, plane.kubeconfig_path, plane.authorization_mode, False
-        )
+        _write_state(cache, plane.server_url, plane.kubeconfig_path, plane.authorization_mode)
         print(f"export KUBECONFIG={plane.kubeconfig_path}", flush=True)
         print(f"# {plane.server_url}, {plane.authorization_mode}; Ctrl-C stops it", file=sys.stderr)
         while plane.running():
@@ -154,7 +158,7 @@ def cmd_status(cache: Path) -> int:
         info = json.loads(state.read_text())
         try:
             os.kill(int(info["pid"]), 0)
-            node = " with a node" if info.get("node") else ""
+            node = f" with a node on {info['docker_host']}" if info.get("node") else ""
             print(
                 f"running{node} (pid {info['pid']}): {info['server']}, {info['authorization_mode']}"
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import ssl
 import subprocess
 import threading
 import time
@@ -19,9 +20,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
-from tools.control_plane import ControlPlane
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "specpair-operator"
@@ -109,11 +110,56 @@ def helm_uninstall(helm: Tool) -> None:
     helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", check=False)
 
 
-def api(plane: ControlPlane, method: str, path: str, body: object = None) -> dict[str, Any]:
+class ApiClient(Protocol):
+    """What talks to the apiserver: a `ControlPlane`, or a `KubeconfigClient`."""
+
+    def api(self, method: str, path: str, body: object | None = None) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class KubeconfigClient:
+    """JSON requests to the apiserver as the user of a bearer-token kubeconfig.
+
+    The kubeconfig `start --node` prints; what a user of the node has.
+    """
+
+    server: str
+    ca: Path
+    token: str
+
+    @classmethod
+    def load(cls, kubeconfig: Path) -> KubeconfigClient:
+        config = yaml.safe_load(kubeconfig.read_text())
+        context = next(c for c in config["contexts"] if c["name"] == config["current-context"])
+        cluster = next(c for c in config["clusters"] if c["name"] == context["context"]["cluster"])
+        user = next(u for u in config["users"] if u["name"] == context["context"]["user"])
+        return cls(
+            cluster["cluster"]["server"],
+            Path(cluster["cluster"]["certificate-authority"]),
+            user["user"]["token"],
+        )
+
+    def api(self, method: str, path: str, body: object | None = None) -> dict[str, object]:
+        request = urllib.request.Request(
+            self.server + path,
+            data=json.dumps(body).encode() if body is not None else None,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+            },
+        )
+        context = ssl.create_default_context(cafile=str(self.ca))
+        with urllib.request.urlopen(request, context=context, timeout=30) as reply:
+            return cast(dict[str, object], json.loads(reply.read() or b"{}"))
+
+
+def api(plane: ApiClient, method: str, path: str, body: object = None) -> dict[str, Any]:
     return cast(dict[str, Any], plane.api(method, path, body))
 
 
-def get_or_none(plane: ControlPlane, path: str) -> dict[str, Any] | None:
+def get_or_none(plane: ApiClient, path: str) -> dict[str, Any] | None:
     try:
         return api(plane, "GET", path)
     except urllib.error.HTTPError as error:
@@ -133,15 +179,7 @@ def pair_path(namespace: str, name: str) -> str:
     return PAIRS.format(ns=namespace) + f"/{name}"
 
 
-def serving_revision(plane: ControlPlane, namespace: str, name: str) -> str | None:
-    """The pair's current revision once it is Ready at its spec, else None."""
-    pair = get_or_none(plane, pair_path(namespace, name))
-    if condition(pair, "Ready").get("status") != "True":
-        return None
-    return str(((pair or {}).get("status") or {}).get("currentRevision") or "") or None
-
-
-def service_url(plane: ControlPlane, namespace: str, name: str) -> str:
+def service_url(plane: ApiClient, namespace: str, name: str) -> str:
     """``http://<ClusterIP>:<port>`` of the pair's Service."""
     service = api(plane, "GET", f"/api/v1/namespaces/{namespace}/services/{name}")
     spec = service["spec"]

@@ -1,8 +1,9 @@
 """specpair as users deploy it: real images on a real kubelet, installed with `helm install`.
 
 Real, all of it: the images `make images` built (tools/images.py), the
-control plane and one node of Kubernetes v1.20 (tools/node.py: kubelet with
-dockershim on the project's Docker, kube-scheduler, kube-proxy, CNI), the
+control plane and one node of Kubernetes v1.20 started as a user starts them,
+``python -m tools.control_plane_cli start --node`` (tools/node.py: kubelet
+with dockershim on the project's Docker, kube-scheduler, kube-proxy, CNI), the
 chart installed with helm (the operator runs as a pod under the chart's
 ServiceAccount, RBAC on), and the runtime's containers, reached through their
 Service's ClusterIP as a client in the cluster would. No stand-in anywhere.
@@ -24,7 +25,8 @@ order; each leaves the pair serving for the next:
 7. a revision whose container cannot start rolls back with the message the
    runtime wrote to ``/dev/termination-log``;
 8. deleting the pair and `helm uninstall` leave no pods, containers or
-   volumes behind.
+   volumes behind;
+9. SIGTERM stops the node and everything it started.
 
 Where this machine cannot run the node (not root, no Docker, no cgroup
 controllers), the module skips with the reason.
@@ -36,8 +38,8 @@ import base64
 import contextlib
 import http.client
 import json
-import os
 import shutil
+import subprocess
 import threading
 import time
 import urllib.error
@@ -50,9 +52,12 @@ from typing import Any
 
 import pytest
 import yaml
+from tools.build_support import Progress, tail_file
+from tools.control_plane_build import Binaries, default_cache_dir
 from tools.deploy import (
     RELEASE,
     RELEASE_NAMESPACE,
+    KubeconfigClient,
     SteadyClient,
     Tool,
     api,
@@ -65,8 +70,12 @@ from tools.deploy import (
     pair_path,
     service_url,
 )
-from tools.node import NODE_NAME, NodeCluster, NodeUnavailable
+from tools.docker_engine import Docker, ensure_docker
+from tools.images import OPERATOR_IMAGE, RUNTIME_CPU_IMAGE
+from tools.node import NODE_NAME, NodePaths, NodeUnavailable
+from tools.node_network import BRIDGE
 
+from tests.support.node_cli import NodeProcess
 from tests.support.polling import PAIRS, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -180,15 +189,13 @@ def golden(expect: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class Env:
-    cluster: NodeCluster
+    node: NodeProcess
+    plane: KubeconfigClient
+    docker: Docker
     kubectl: Tool
     helm: Tool
     volume: Volume
     base: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def plane(self) -> Any:
-        return self.cluster.plane
 
     def get(self, path: str) -> dict[str, Any]:
         return api(self.plane, "GET", path)
@@ -267,7 +274,7 @@ class Env:
         """`docker inspect` of the pod's runtime container on the node."""
         status = pod["status"]["containerStatuses"][0]
         container_id = status["containerID"].removeprefix("docker://")
-        inspected = self.cluster.docker.run("inspect", container_id).stdout
+        inspected = self.docker.run("inspect", container_id).stdout
         found: dict[str, Any] = json.loads(inspected)[0]
         return found
 
@@ -294,31 +301,39 @@ class Env:
             parts.append("pair status:\n" + json.dumps(self.status(), indent=1)[-4000:])
         described = self.kubectl("get", "pods,events", "-A", "-o", "wide", check=False)
         parts.append(described.stdout[-5000:])
-        parts.append(self.cluster.log_tails(15))
+        logs = [self.node.log, *sorted(NodePaths(default_cache_dir() / "node").logs.glob("*.log"))]
+        if self.node.kubeconfig is not None:
+            logs += sorted(self.node.kubeconfig.parent.glob("*.log"))
+        parts += [f"--- {log} ---\n{tail_file(log, 15)}" for log in logs]
         return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    cluster = NodeCluster()
+    """The node as `start --node` runs it: its kubeconfig, its Docker, kubectl and helm."""
+    node = NodeProcess(tmp_path_factory.mktemp("node") / "start-node.log")
     try:
-        cluster.start()
+        kubeconfig = node.start()
     except NodeUnavailable as reason:
+        node.stop()
         pytest.skip(f"the real node cannot run on this machine: {reason}")
+    except BaseException:
+        node.stop()
+        raise
     try:
-        binaries = cluster.plane.binaries
-        kubectl = Tool(binaries.kubectl, cluster.kubeconfig_path, timeout_s=120)
-        helm = Tool(binaries.helm, cluster.kubeconfig_path, timeout_s=400)
+        binaries = Binaries.under(default_cache_dir())
+        kubectl = Tool(binaries.kubectl, kubeconfig, timeout_s=120)
+        helm = Tool(binaries.helm, kubeconfig, timeout_s=400)
+        docker = ensure_docker(default_cache_dir(), Progress("[e2e]"))  # the node's: it runs
         root = tmp_path_factory.mktemp("volume")
         build_volume(root)
-        environment = Env(cluster, kubectl, helm, Volume(root, f"models-{root.name}"))
-        cluster.plane.ensure_namespace(NAMESPACE)
-        kubectl("apply", "-f", "-", input=yaml.safe_dump_all(volume_objects(environment.volume)))
+        volume = Volume(root, f"models-{root.name}")
+        environment = Env(node, KubeconfigClient.load(kubeconfig), docker, kubectl, helm, volume)
+        kubectl("create", "namespace", NAMESPACE)
+        kubectl("apply", "-f", "-", input=yaml.safe_dump_all(volume_objects(volume)))
         yield environment
     finally:
-        if os.environ.get("SPECPAIR_E2E_KEEP"):
-            print(f"SPECPAIR_E2E_KEEP: logs under {cluster.paths.logs}")
-        cluster.stop()
+        node.stop()
 
 
 @contextlib.contextmanager
@@ -347,16 +362,14 @@ def test_1_helm_install_then_a_pair_on_the_images_demo_models_answers(env: Env) 
     with diagnosed(env):
         helm_install(
             env.helm,
-            env.cluster.operator_image,
+            OPERATOR_IMAGE,
             {"scrapeSeconds": str(SCRAPE_SECONDS), "resyncSeconds": "5", "logLevel": "debug"},
         )
         operators = env.operator_pods()
         assert operators and all(p["spec"]["serviceAccountName"] == OPERATOR_SA for p in operators)
         assert all(p["spec"]["nodeName"] == NODE_NAME for p in operators)
-        assert {p["spec"]["containers"][0]["image"] for p in operators} == {
-            env.cluster.operator_image
-        }
-        env.base = demo_pair("demo-1", env.cluster.runtime_image)
+        assert {p["spec"]["containers"][0]["image"] for p in operators} == {OPERATOR_IMAGE}
+        env.base = demo_pair("demo-1", RUNTIME_CPU_IMAGE)
         env.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(env.base))
         revision = wait_revision_serving(env, "the demo pair Ready")
         reply = complete(env.url(), PROMPTS[0])
@@ -641,7 +654,7 @@ def test_7_a_container_that_cannot_start_rolls_back_with_its_termination_message
 
 def test_8_deleting_the_pair_and_helm_uninstall_leave_nothing_behind(env: Env) -> None:
     with diagnosed(env):
-        volumes_before = set(env.cluster.docker.run("volume", "ls", "-q").stdout.split())
+        volumes_before = set(env.docker.run("volume", "ls", "-q").stdout.split())
         env.kubectl("delete", "speculativepair", NAME, "-n", NAMESPACE, "--wait=true")
         helm_uninstall(env.helm)
         for namespace in (NAMESPACE, RELEASE_NAMESPACE):
@@ -658,13 +671,36 @@ def test_8_deleting_the_pair_and_helm_uninstall_leave_nothing_behind(env: Env) -
             assert not owned, f"{kind} left: {[o['metadata']['name'] for o in owned]}"
 
         def containers() -> list[str]:
-            listed = env.cluster.docker.run(
+            listed = env.docker.run(
                 "ps", "-aq", "--filter", "label=io.kubernetes.docker.type"
             ).stdout.split()
             return listed
 
         # The kubelet removes a deleted pod's sandbox in its minutely garbage collection.
         wait_for(lambda: not containers(), "no pod containers on the node", timeout=150)
-        volumes_after = set(env.cluster.docker.run("volume", "ls", "-q").stdout.split())
+        volumes_after = set(env.docker.run("volume", "ls", "-q").stdout.split())
         assert volumes_after <= volumes_before, volumes_after - volumes_before
         assert not volumes_after, f"docker volumes left: {volumes_after}"
+
+
+def test_9_sigterm_stops_the_node_and_leaves_nothing_running(env: Env) -> None:
+    assert env.node.stop() == 0
+    assert subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode != 0
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout
+    assert "KUBE-" not in rules and "SPECPAIR-NODE" not in rules
+    listed = env.docker.run("ps", "-aq", "--filter", "label=io.kubernetes.docker.type")
+    assert not listed.stdout.split()
+    root = (default_cache_dir() / "node").resolve()
+    mounts = Path("/proc/self/mounts").read_text()
+    assert str(root) not in mounts
+    with pytest.raises(OSError):  # the apiserver is gone
+        env.plane.api("GET", "/version")
+    # kubelet, kube-proxy, the scheduler and the control plane all name its directory.
+    assert env.node.kubeconfig is not None
+    plane_dir = str(env.node.kubeconfig.parent)
+    running = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if plane_dir in (proc / "cmdline").read_text(errors="replace"):
+                running.append(proc.name)
+    assert not running, f"node processes still running: {running}"
