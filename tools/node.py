@@ -52,8 +52,9 @@ SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"  # the control plane's --service-clust
 RUN_DIR = Path("/run/specpair-node")
 CNI_BIN_DIR = Path("/usr/lib/cni")
 PAUSE_IMAGE = f"specpair/pause:{K8S_VERSION}"
-# iptables for kube-proxy and the CNI plugins, conntrack for kube-proxy's UDP cleanup.
-NODE_PACKAGES = ("containernetworking-plugins", "iptables", "conntrack")
+# iptables for kube-proxy and the CNI plugins, conntrack for kube-proxy's UDP
+# cleanup, socat for `kubectl port-forward` (dockershim runs it in the pod's netns).
+NODE_PACKAGES = ("containernetworking-plugins", "iptables", "conntrack", "socat")
 LOG_PREFIX = "[node]"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KUBEPODS_CGROUP = "kubepods"  # the kubelet's --cgroup-root / QoS tree (cgroupfs driver)

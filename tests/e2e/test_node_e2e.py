@@ -39,6 +39,7 @@ import contextlib
 import http.client
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -77,6 +78,7 @@ from tools.node_network import BRIDGE
 
 from tests.support.node_cli import NodeProcess
 from tests.support.polling import PAIRS, wait_for
+from tests.support.server_harness import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -256,6 +258,21 @@ class Env:
             and pods[0]["metadata"]["labels"]["specpair.dev/revision"] == revision
         )
 
+    @contextlib.contextmanager
+    def port_forward(self) -> Iterator[str]:
+        """`kubectl port-forward service/<pair>` to a free loopback port; its URL."""
+        port = free_port()
+        argv = [str(self.kubectl.binary), "--kubeconfig", str(self.kubectl.kubeconfig)]
+        argv += ["port-forward", "-n", NAMESPACE, f"service/{NAME}", f"{port}:{PORT}"]
+        forward = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _listening(port), "kubectl port-forward", timeout=30)
+            yield url
+        finally:
+            forward.terminate()
+            forward.wait(timeout=30)
+
     def answers(self, prompt: str) -> bool:
         try:
             return bool(complete(self.url(), prompt)["choices"][0]["text"])
@@ -346,6 +363,11 @@ def diagnosed(env: Env) -> Iterator[None]:
         raise
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def wait_revision_serving(env: Env, what: str, timeout: float = 240) -> str:
     def serving() -> str | None:
         revision = env.status().get("currentRevision")
@@ -374,6 +396,8 @@ def test_1_helm_install_then_a_pair_on_the_images_demo_models_answers(env: Env) 
         revision = wait_revision_serving(env, "the demo pair Ready")
         reply = complete(env.url(), PROMPTS[0])
         assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] > 0
+        with env.port_forward() as local:  # as from a laptop: through the apiserver
+            assert complete(local, PROMPTS[0])["choices"] == reply["choices"]
         (pod,) = env.ready_pods()
         assert pod["spec"]["nodeName"] == NODE_NAME
         # What the image and the pod spec promise, as Docker runs it.
