@@ -10,8 +10,10 @@ Each deploy round, on one node (tools/node.py; it is started once, not timed):
    CPU sample pair (the image's demo models): the time until its Service
    first answers a completion (**install → first answer**);
 2. a version bump of the pair while a client sends completions one after
-   another through the Service: the time until the new revision runs alone
-   (**upgrade**), and the client's failed requests during it (goal 0);
+   another through the Service: the time until the new revision is Ready
+   and alone in service, the old pod stopping (**upgrade**; the v1.20
+   kubelet takes another 10-60 s to remove a stopped pod's object), and the
+   client's failed requests during it (goal 0);
 3. the pair deleted and `helm uninstall`, waited until no pod is left.
 
 With ``--images``: ``make images`` from a cold build (the images, their
@@ -29,11 +31,13 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import yaml
@@ -132,7 +136,7 @@ def _pods(cluster: NodeCluster, namespace: str) -> list[Any]:
 def _settled_on_new(cluster: NodeCluster, name: str, old: str) -> bool:
     pair = get_or_none(cluster.plane, pair_path(NAMESPACE, name))
     revision = ((pair or {}).get("status") or {}).get("currentRevision")
-    pods = _pods(cluster, NAMESPACE)
+    pods = [p for p in _pods(cluster, NAMESPACE) if not p["metadata"].get("deletionTimestamp")]
     return (
         revision not in (None, old)
         and condition(pair, "Ready").get("status") == "True"
@@ -203,6 +207,10 @@ def conditions() -> dict[str, object]:
     }
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-deploy", action="store_true", help="only the image builds")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the node cleanly, as on Ctrl-C
     report: dict[str, Any] = {}
     if not args.no_deploy:
         rounds = run_deploy(args.rounds)
