@@ -9,6 +9,7 @@ builds all use these.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -144,3 +145,15 @@ def install_debs(packages: Sequence[str], progress: Progress, log: Path) -> None
             env=env,
             log=log,
         )
+
+
+@contextlib.contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` for the block: one builder at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -16,8 +16,6 @@ that lacks some binaries gets only those built. See
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import re
@@ -27,7 +25,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from tools.apt_sources import (
 from tools.build_support import (
     BuildError,
     Progress,
+    build_lock,
     install_debs,
     missing_debs,
     run,
@@ -533,18 +532,6 @@ def _remove_in_background(path: Path) -> None:
     )
 
 
-@contextlib.contextmanager
-def _build_lock(cache_dir: Path) -> Iterator[None]:
-    """One builder at a time per cache (two pytest sessions may race)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with (cache_dir / ".build.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def build(cache_dir: Path | None = None) -> Binaries:
     """Build (once) and cache the control plane and tools; return their paths.
 
@@ -555,7 +542,8 @@ def build(cache_dir: Path | None = None) -> Binaries:
         return Binaries.under(cache)
     progress = Progress(LOG_PREFIX)
     progress.say(f"building the control plane into {cache} (first run only)")
-    with _build_lock(cache):
+    # One builder at a time per cache (two pytest sessions may race).
+    with build_lock(cache / ".build.lock"):
         if not (_tools_marker(cache).is_file() and not _missing_tools(cache)):
             _fetch_tools(cache, progress)
         if not _k8s_marker(cache).is_file() or _missing_k8s(cache):

@@ -8,8 +8,8 @@ No registry is needed. The steps, each cached:
 2. the base image from Debian's packages (tools/base_image.py);
 3. a wheelhouse per image (tools/wheelhouse.py);
 4. for each image, a build context staged from the repository (only the
-   files its Dockerfile copies, plus the wheelhouse) and
-   ``docker build --network=none``.
+   files its Dockerfile copies, plus the wheelhouse and the pinned
+   requirements of its pyproject extra) and ``docker build --network=none``.
 
 An image is named by the hash of everything it is built from (the
 Dockerfile, each copied file, the wheelhouse's key and the base image's ID),
@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.base_image import ensure_base_image
-from tools.build_support import BuildError, Progress, run
+from tools.build_support import BuildError, Progress, build_lock, run
 from tools.docker_engine import Docker, DockerError, ensure_docker
-from tools.wheelhouse import Wheelhouse, ensure_wheelhouse
+from tools.wheelhouse import Wheelhouse, ensure_wheelhouse, requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUTS_LABEL = "dev.specpair.inputs"
@@ -129,8 +129,15 @@ def inputs_hash(
     return digest.hexdigest()[:24]
 
 
-def _stage(root: Path, files: Sequence[str], wheelhouse: Wheelhouse, context: Path) -> None:
-    """Copy the files and link the wheels into an empty build context."""
+# What `_stage` adds to a context beside the repository's files.
+STAGED = ("wheelhouse/", "requirements.txt")
+
+
+def _stage(
+    root: Path, recipe: ImageRecipe, files: Sequence[str], wheelhouse: Wheelhouse, context: Path
+) -> None:
+    """Copy the files, write the pinned requirements, link the wheels: a build context."""
+    (context / "requirements.txt").write_text("\n".join(requirements(recipe.extra)) + "\n")
     for relative in files:
         target = context / relative
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +183,7 @@ def build_image(
     logs = cache_dir / "images" / "logs"
     with tempfile.TemporaryDirectory(prefix=f"specpair-{recipe.kind}-", dir=cache_dir) as tmp:
         context = Path(tmp)
-        _stage(root, files, wheelhouse, context)
+        _stage(root, recipe, files, wheelhouse, context)
         shutil.copyfile(root / recipe.dockerfile, context / "Dockerfile")
         with progress.step(f"docker build {name} (log: {logs / recipe.kind}.log)"):
             run(
@@ -217,11 +224,13 @@ def build_images(
         docker = ensure_docker(cache, progress)
     except DockerError as err:
         raise ImagesUnavailable(str(err)) from err
-    base = ensure_base_image(docker, cache, progress)
-    built = [
-        build_image(docker, recipe, name, base, cache, progress)
-        for recipe, name in ((OPERATOR, operator_image), (RUNTIME_CPU, runtime_cpu_image))
-    ]
+    # One build at a time per cache: a second caller then finds the images built.
+    with build_lock(cache / "images" / ".build.lock"):
+        base = ensure_base_image(docker, cache, progress)
+        built = [
+            build_image(docker, recipe, name, base, cache, progress)
+            for recipe, name in ((OPERATOR, operator_image), (RUNTIME_CPU, runtime_cpu_image))
+        ]
     return docker, built
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 RUNC = os.environ.get("SPECPAIR_RUNC", "runc")
 COMMANDS = ("create", "run")
@@ -39,7 +40,7 @@ def bundle_of(args: list[str]) -> Path | None:
     return Path.cwd()  # runc's default bundle is the working directory
 
 
-def clamp(config: dict[str, object], floor: int) -> bool:
+def clamp(config: dict[str, Any], floor: int) -> bool:
     """Raise the process's oomScoreAdj to ``floor``; True when it changed."""
     process = config.get("process")
     if not isinstance(process, dict):
