@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.build_support import BuildError, Progress, install_debs, tail_file
+from tools.build_support import Progress, install_debs, tail_file
 
 DOCKER_PACKAGES = ("docker.io",)
 DEFAULT_SOCKET = Path("/var/run/docker.sock")
@@ -306,11 +306,3 @@ def stop_project_daemon(cache_dir: Path, timeout_s: float = 30.0) -> bool:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     return True
-
-
-def require_docker(progress: Progress, cache_dir: Path) -> Docker:
-    """`ensure_docker`, with a BuildError (the build's own error type) on failure."""
-    try:
-        return ensure_docker(cache_dir, progress)
-    except DockerError as err:
-        raise BuildError(str(err)) from err

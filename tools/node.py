@@ -29,7 +29,6 @@ import fcntl
 import io
 import os
 import shutil
-import ssl
 import subprocess
 import tarfile
 import time
@@ -586,6 +585,3 @@ class NodeCluster:
         if self._node is not None:
             parts.append(self._node.log_tails(lines))
         return "\n".join(parts)
-
-    def apiserver_ca(self) -> ssl.SSLContext:
-        return ssl.create_default_context(cafile=str(self.plane.ca_path))
