@@ -129,14 +129,14 @@ def test_cpu_image_uses_the_cpu_torch_wheel_and_bakes_the_demo_models() -> None:
     deps, build, final = parse(RUNTIME_CPU)
     assert deps.base.startswith("python:3.11") and final.base == deps.base
     assert build.base == "deps"  # the project's wheel is built over the installed dependencies
-    run = " ".join(deps.all("RUN"))
-    assert "pip install --quiet torch==2.13.0" in run
+    assert "pip install --quiet torch==2.13.0" in " ".join(deps.all("RUN"))
+    run = " ".join(build.all("RUN"))
     # The wheelhouse holds the CPU wheel (tools/wheelhouse.py), so pip takes that one.
     assert wheelhouse.TORCH_WHEEL_GLOB.startswith("torch-2.13.0+cpu-cp311")
     assert "scripts/make_demo_models.py --output /opt/specpair/models/demo" in run
     # The files are written 0600; the runtime reads them as UID 65532.
     assert "chmod -R a+rX /opt/specpair/models" in run
-    assert "--from=deps /opt/specpair/models /opt/specpair/models" in final.all("COPY")
+    assert "--from=build /opt/specpair/models /opt/specpair/models" in final.all("COPY")
     assert "/tmp" in exec_form(final.last("VOLUME"))
 
 
@@ -174,7 +174,8 @@ def test_demo_model_script_needs_only_what_the_image_copies() -> None:
     """The CPU image copies a few test-support files; they must be enough."""
     copied = {
         src
-        for args in parse(RUNTIME_CPU)[0].all("COPY")
+        for stage in parse(RUNTIME_CPU)
+        for args in stage.all("COPY")
         for src in args.split()[:-1]
         if not src.startswith("--")
     }
