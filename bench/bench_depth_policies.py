@@ -23,7 +23,7 @@ engine's own runners (``bench_forward.measure``), and replays:
   over the pass (its own estimate that every draft so far is accepted) falls
   below ``t``, at most ``c`` tokens: the engine's stop since stop 36;
 - ``product 0.5 <=4``: that rule at the engine's CPU default
-  (``draftConfidence``, ``config.DEFAULT_DRAFT_CONFIDENCE``);
+  (``draftConfidence``, ``config.DRAFT_CONFIDENCE``);
 - ``break-even t <=c``: that rule at the threshold that the engine's
   default takes from these costs (``CostModel.break_even_confidence``: the
   rate of fixed depth 4 times a draft forward plus one more verify token),
@@ -261,12 +261,12 @@ def policies(
     schedule: bool = False,
 ) -> dict[str, Policy | Branches]:
     """The rules to replay, by name (module doc)."""
-    from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE
+    from specpair_runtime.config import DRAFT_CONFIDENCE
 
     chosen: dict[str, Policy | Branches] = {f"k={d}": fixed(d) for d in fixed_depths}
     for cap in caps:
         chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
-    engine = DEFAULT_DRAFT_CONFIDENCE["cpu"]
+    engine = DRAFT_CONFIDENCE.per_device["cpu"]
     if 4 in caps:  # the engine's rule (a product, since stop 36) at its CPU default
         chosen[f"product {engine} <=4"] = product_stop(engine, 4)
     for threshold in products:
@@ -287,7 +287,7 @@ def break_even_threshold(
     traces: Sequence[Sequence[DraftPosition]], costs: Costs, depth: int = 4
 ) -> float:
     """The engine's default confidence bar on these costs, at fixed ``depth``'s rate."""
-    from specpair_runtime.engine.depth import CostModel
+    from specpair_runtime.engine.cost_model import CostModel
 
     model = CostModel()
     for n, seconds in costs.verify.items():
@@ -369,12 +369,13 @@ def main(argv: list[str]) -> int:
     dirs = cached_pair_or_report()
     if dirs is None:
         return 2
-    from specpair_runtime.benchmark import DEFAULT_PROMPTS
+    from bench.engine_harness import DEFAULT_PROMPTS
+
     from specpair_runtime.config import recommended_draft_quantization
     from specpair_runtime.engine.prompting import encode_prompt
 
     quantization = recommended_draft_quantization("cpu")
-    # The engine switches the target to its kernels, so its greedy tokens are the engine's.
+    # The loader gives the target the engine's kernels: its greedy tokens are the engine's.
     pair, engine = pair_and_engine(dirs, "cpu", quantization, max_length=256)
     assert pair.draft is not None and engine.draft is not None
     max_drafts = max(*DEFAULT_FIXED, *DEFAULT_CAPS, *(d + w for d, w in DEFAULT_BRANCHES))

@@ -145,7 +145,8 @@ def main(argv: list[str]) -> int:
     dirs = cached_pair_or_report()
     if dirs is None:
         return 2
-    from specpair_runtime.benchmark import DEFAULT_PROMPTS
+    from bench.engine_harness import DEFAULT_PROMPTS
+
     from specpair_runtime.config import ModelSpec
     from specpair_runtime.engine.loading import load_model
     from specpair_runtime.engine.prompting import encode_prompt

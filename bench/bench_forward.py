@@ -210,8 +210,8 @@ def pair_and_engine(
 ) -> tuple[LoadedPair, SpeculativeEngine]:
     """The fetched pair, and an engine over it whose runners are timed (in slot 0).
 
-    The engine's own options: it switches the target to its kernels, and on
-    CUDA uniform steps replay captured graphs.
+    As the runtime runs them: the loader switches the CPU's linears to the
+    engine's kernels, and on CUDA uniform steps replay captured graphs.
     """
     from specpair_runtime.config import ModelSpec, SpeculationKnobs
     from specpair_runtime.engine.options import EngineOptions

@@ -263,6 +263,7 @@ async def one_stream(
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "seed": seed,
     }
     start = time.perf_counter()
@@ -281,7 +282,7 @@ async def one_stream(
                 break
             chunk = json.loads(payload)
             now = time.perf_counter()
-            if chunk["choices"][0]["text"]:
+            if chunk["choices"] and chunk["choices"][0]["text"]:
                 chunks += 1
                 if first is None:
                     first = now

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from specpair_runtime.engine.api import SEED_GUARANTEE
+
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "specpair.dev_speculativepairs.yaml"
 DOC_PATH = ROOT / "docs" / "api.md"
@@ -179,7 +181,23 @@ def render(crd: dict[str, Any]) -> str:
         if top in properties:
             for path, section in _sections(top, properties[top]):
                 lines += _section(path, section)
+    lines += _server_requests()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _server_requests() -> list[str]:
+    """What the runtime's OpenAI-compatible server guarantees beyond OpenAI's reference."""
+    return [
+        "",
+        "## Server requests",
+        "",
+        "The runtime's OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`): "
+        "where it promises more than OpenAI's API reference.",
+        "",
+        "### `seed`",
+        "",
+        SEED_GUARANTEE,
+    ]
 
 
 def load_crd(path: Path = CRD_PATH) -> dict[str, Any]:

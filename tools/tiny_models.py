@@ -32,8 +32,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specpair_runtime.engine.fused_projections import fuse_projections
-from specpair_runtime.engine.loading import LoadedModel
+from specpair_runtime.engine.loading import CpuKernels, LoadedModel, prepare_model
 
 ModelKind = Literal["llama", "gpt2"]
 
@@ -47,6 +46,41 @@ CHAT_TEMPLATE = (
     "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Qwen2.5's tool format over the tiny markers: tools in the system turn, calls as
+# <tool_call> blocks of JSON, results as <tool_response> blocks in a user turn.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Call a function as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call><|end|>"
+    "{%- elif messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}<|end|>"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|{{ message.role }}|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'assistant' %}<|assistant|>"
+    "{%- if message.content %}{{ message.content }}{% endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function is defined %}{% set call = call.function %}{% endif %}"
+    '\n<tool_call>\n{"name": "{{ call.name }}", "arguments": {{ call.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|end|>"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<|user|>{% endif %}"
+    "\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|end|>{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# JSON and call text, so that the tool tokenizer learns their merges.
+TOOL_CORPUS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    '{"answer": "yes", "items": [1, 2, 3], "nested": {"ok": true, "value": null}}',
+    '{"name": "Ada", "age": 36, "tags": ["math", "engine"], "active": false}',
 )
 
 # Support-desk flavoured text so that BPE learns real merges (multi-character
@@ -109,6 +143,20 @@ def build_tokenizer(
     if chat_template is not None:
         wrapped.chat_template = chat_template
     return wrapped
+
+
+def build_tool_tokenizer(vocab_size: int = 420) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with Qwen2.5's tool format.
+
+    ``<tool_call>`` and ``</tool_call>`` are added tokens that are not special
+    (as in Qwen's tokenizer: decoded text keeps them), and the chat template
+    renders tools, assistant calls and tool results the way Qwen2.5's does.
+    """
+    tokenizer = build_tokenizer(
+        vocab_size, chat_template=TOOL_CHAT_TEMPLATE, extra_corpus=TOOL_CORPUS
+    )
+    tokenizer.add_tokens(list(TOOL_TOKENS))
+    return tokenizer
 
 
 def _peaky(model: PreTrainedModel, seed: int, logit_scale: float) -> PreTrainedModel:
@@ -334,17 +382,27 @@ def save_pair(
     kind: ModelKind = "llama",
     seed: int = 0,
     draft_noise: float = 0.08,
+    *,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> tuple[Path, Path]:
-    """Build a pair and save it as ``tmp_path/target`` and ``tmp_path/draft``."""
-    pair = build_pair(kind, seed, draft_noise)
+    """Build a pair (over ``tokenizer``, default ``build_tokenizer()``) and save it as
+    ``tmp_path/target`` and ``tmp_path/draft``."""
+    pair = build_pair(kind, seed, draft_noise, tokenizer=tokenizer)
     target_dir = save_model(pair.target, pair.tokenizer, tmp_path / "target")
     draft_dir = save_model(pair.draft, pair.tokenizer, tmp_path / "draft")
     return target_dir, draft_dir
 
 
-def as_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: str) -> LoadedModel:
-    """Wrap an in-memory tiny model like the loader does (CPU, float32, projections fused)."""
-    fuse_projections(model)
+def as_loaded(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    name: str,
+    *,
+    cpu_kernels: CpuKernels = "onednn",
+) -> LoadedModel:
+    """Wrap an in-memory tiny model like the loader does (CPU, float32, projections fused,
+    prepacked linears). ``cpu_kernels="default"`` keeps PyTorch's linears, as on CUDA."""
+    prepare_model(model, torch.device("cpu"), cpu_kernels=cpu_kernels)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -352,4 +410,19 @@ def as_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: 
         dtype=torch.float32,
         name=name,
         source=f"memory:{name}",
+    )
+
+
+# vLLM's CPU attention takes head sizes of 32 and more; the default tiny models have 16.
+VLLM_GEOMETRY: dict[str, int] = {"hidden": 64, "heads": 2, "kv_heads": 2, "layers": 2}
+
+
+def save_vllm_pair(tmp_path: Path, seed: int = 0, draft_noise: float = 0.05) -> tuple[Path, Path]:
+    """A tiny Llama pair that vLLM's CPU build can serve, as ``tmp_path/target``, ``/draft``."""
+    tokenizer = build_tokenizer()
+    target = build_llama(tokenizer, seed, **VLLM_GEOMETRY)
+    draft = noisy_copy(target, draft_noise, seed + 1)
+    return (
+        save_model(target, tokenizer, tmp_path / "target"),
+        save_model(draft, tokenizer, tmp_path / "draft"),
     )

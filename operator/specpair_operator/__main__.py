@@ -4,8 +4,9 @@
           [--leader-election [--lease-namespace NS] [--lease-name N] [--lease-seconds S]]
           [--resync-seconds S] [--scrape-seconds S] [--workers N]
           [--log-level debug|info|warning|error] [--liveness URL]
-    crds  --output FILE
-    plan  -f pair.yaml [--gpu-memory 80Gi] [--json]
+    crds   --output FILE
+    plan   -f pair.yaml [--gpu-memory 80Gi] [--gpus-per-node N] [--json]
+    render -f pair.yaml [--gpu-memory 80Gi] [--gpus-per-node N] [--namespace NS]
 
 Bad input prints one line naming the field and exits with status 2.
 """
@@ -19,7 +20,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,19 @@ import yaml
 
 from specpair_operator import crd
 from specpair_operator.api import (
+    MAX_GPUS_PER_NODE,
     MAX_MEMORY_BYTES,
     SpecError,
     SpeculativePairSpec,
     memory_bytes,
+    name_problem,
     parse_spec,
 )
+from specpair_operator.builders import PairRef
+from specpair_operator.engines.vllm_args import layout
 from specpair_operator.headroom import DeviceMemory, device_memory, plan_for_spec
-from specpair_runtime.planner import gib
+from specpair_operator.render import render
+from specpair_runtime.planner import Plan, gib
 
 USAGE_ERROR = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -42,6 +48,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 class UsageError(Exception):
     """Bad input; the message names the field or flag."""
+
+
+class DoesNotFit(Exception):
+    """The pair does not fit its devices: the plan says why, with the numbers."""
+
+
+DOES_NOT_FIT = 1
+# ownerReferences need the pair's uid, which only the apiserver gives (the operator uses it).
+PREVIEW_UID = "00000000-0000-0000-0000-000000000000"
 
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -182,11 +197,36 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Print the VRAM plan of a SpeculativePair offline")
     plan.add_argument("-f", "--file", required=True, type=Path, help="SpeculativePair YAML.")
     plan.add_argument("--gpu-memory", default=None, help="Memory of one GPU, e.g. 80Gi.")
+    plan.add_argument(
+        "--gpus-per-node", type=_gpus_per_node, default=None, help="Engine vllm: GPUs of a node."
+    )
     plan.add_argument("--json", action="store_true", help="Print JSON.")
+
+    render = sub.add_parser(
+        "render", help="Print the child objects the operator would apply, as YAML"
+    )
+    render.add_argument("-f", "--file", required=True, type=Path, help="SpeculativePair YAML.")
+    render.add_argument("--gpu-memory", default=None, help="Memory of one GPU, e.g. 80Gi.")
+    render.add_argument(
+        "--gpus-per-node", type=_gpus_per_node, default=None, help="Engine vllm: GPUs of a node."
+    )
+    render.add_argument(
+        "--namespace", default=None, help="Namespace (default: the object's, else default)."
+    )
     return parser
 
 
-def _load_spec_document(path: Path) -> object:
+def _gpus_per_node(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_GPUS_PER_NODE:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_GPUS_PER_NODE}, got {value}")
+    return value
+
+
+def _load_document(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as error:
@@ -195,11 +235,18 @@ def _load_spec_document(path: Path) -> object:
         raise UsageError(f"-f {path}: not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise UsageError(f"-f {path}: expected a SpeculativePair object")
+    return data
+
+
+def _load_spec_document(path: Path) -> object:
+    data = _load_document(path)
     # A whole SpeculativePair object or a bare spec.
     return data.get("spec", data)
 
 
-def smallest_device(spec: SpeculativePairSpec, modes: tuple[str, ...], *, cuda: bool) -> int:
+def smallest_device(
+    spec: SpeculativePairSpec, modes: tuple[str, ...], *, cuda: bool, per_node: int | None = None
+) -> int:
     """The fewest device bytes for which the planner picks one of ``modes`` (bisection).
 
     The planner itself decides, so headroom rounding and overheads are counted
@@ -208,37 +255,51 @@ def smallest_device(spec: SpeculativePairSpec, modes: tuple[str, ...], *, cuda: 
     low, high = 1, MAX_MEMORY_BYTES  # the plan is monotonic in the device size
     while low < high:
         middle = (low + high) // 2
-        if plan_for_spec(spec, DeviceMemory(middle, "bisection", cuda=cuda)).mode in modes:
+        device = DeviceMemory(middle, "bisection", cuda=cuda)
+        if plan_for_spec(spec, device, per_node=per_node).mode in modes:
             high = middle
         else:
             low = middle + 1
     return low
 
 
-def plan_command(path: Path, gpu_memory: str | None) -> dict[str, Any]:
+def _device(spec: SpeculativePairSpec, gpu_memory: str | None) -> DeviceMemory | None:
+    if gpu_memory is None:
+        return device_memory(spec)
+    try:
+        return DeviceMemory(memory_bytes(gpu_memory), "--gpu-memory", cuda=True)
+    except ValueError as error:
+        raise UsageError(f"--gpu-memory: {error}") from None
+
+
+def _parse(path: Path) -> SpeculativePairSpec:
+    try:
+        return parse_spec(_load_spec_document(path))
+    except SpecError as error:
+        raise UsageError(str(error)) from None
+
+
+def plan_command(
+    path: Path, gpu_memory: str | None, gpus_per_node: int | None = None
+) -> dict[str, Any]:
     """The plan as the JSON-ready dict that ``plan --json`` prints.
 
     Without a device size (no ``--gpu-memory``, none in the spec) the mode is
     ``Unknown``: the operator then deploys with speculation on and says so in
     ``HeadroomSufficient``. The smallest devices for each mode are always given.
+    With ``engine: vllm`` the byte counts are per GPU, and the layout follows.
     """
-    try:
-        spec = parse_spec(_load_spec_document(path))
-    except SpecError as error:
-        raise UsageError(str(error)) from None
-    device: DeviceMemory | None
-    if gpu_memory is not None:
-        try:
-            device = DeviceMemory(memory_bytes(gpu_memory), "--gpu-memory", cuda=True)
-        except ValueError as error:
-            raise UsageError(f"--gpu-memory: {error}") from None
-    else:
-        device = device_memory(spec)
+    spec = _parse(path)
+    device = _device(spec, gpu_memory)
+    per_node = spec.resources.gpus_per_node or gpus_per_node
     cuda = device.cuda if device is not None else spec.resources.gpus > 0
     smallest = {
-        "colocated": smallest_device(spec, ("Colocated",), cuda=cuda),
-        "targetOnly": smallest_device(spec, ("Colocated", "TargetOnly"), cuda=cuda),
+        "colocated": smallest_device(spec, ("Colocated",), cuda=cuda, per_node=per_node),
+        "targetOnly": smallest_device(
+            spec, ("Colocated", "TargetOnly"), cuda=cuda, per_node=per_node
+        ),
     }
+    extra = {} if spec.engine != "vllm" else {"engine": "vllm", **vllm_layout(spec, None, per_node)}
     if device is None:
         field = "spec.resources.memory" if spec.resources.gpus == 0 else "spec.resources.gpuMemory"
         return {
@@ -248,8 +309,11 @@ def plan_command(path: Path, gpu_memory: str | None) -> dict[str, Any]:
             "headroomBytes": None,
             "reason": f"device memory unknown: set {field} or pass --gpu-memory (e.g. 80Gi)",
             "minDeviceBytes": smallest,
+            **extra,
         }
-    result = plan_for_spec(spec, device)
+    result = plan_for_spec(spec, device, per_node=per_node)
+    if spec.engine == "vllm":
+        extra = {"engine": "vllm", **vllm_layout(spec, result, per_node)}
     return {
         "mode": result.mode,
         "requiredBytes": result.required_bytes,
@@ -257,7 +321,32 @@ def plan_command(path: Path, gpu_memory: str | None) -> dict[str, Any]:
         "headroomBytes": result.headroom_bytes,
         "reason": result.reason,
         "minDeviceBytes": smallest,
+        **extra,
     }
+
+
+def vllm_layout(
+    spec: SpeculativePairSpec, plan: Plan | None, per_node: int | None
+) -> dict[str, Any]:
+    """The layout part of a vLLM plan: GPUs, nodes, the workload, the per-GPU shares."""
+    shape = layout(spec, plan, per_node)
+    found: dict[str, Any] = {
+        "tensorParallelSize": shape.tensor_parallel_size,
+        "pipelineParallelSize": 1,  # never more: vLLM does not speculate with it
+        "nodes": shape.nodes,
+        "gpusPerPod": shape.gpus_per_pod,
+        "workload": "LeaderWorkerSet" if shape.multi_node else "Deployment",
+        "gpuMemoryUtilization": shape.gpu_memory_utilization,
+    }
+    if plan is not None and plan.parallel is not None:
+        found["perGpu"] = {
+            "targetWeightsBytes": plan.target.weights_bytes,
+            "draftWeightsBytes": plan.draft.weights_bytes,
+            "kvCacheBytes": plan.target.kv_cache_bytes + plan.draft.kv_cache_bytes,
+            "reserveBytes": plan.overhead_bytes,
+        }
+        found["smallestTensorParallelSize"] = plan.parallel.smallest_tensor_parallel_size
+    return found
 
 
 def _bytes(value: int | None) -> str:
@@ -276,6 +365,69 @@ def _print_plan(plan: dict[str, Any], as_json: bool) -> None:
     smallest = plan["minDeviceBytes"]
     print(f"smallest device with the draft (Colocated): {_bytes(smallest['colocated'])}")
     print(f"smallest device for the target alone (TargetOnly): {_bytes(smallest['targetOnly'])}")
+    if plan.get("engine") == "vllm":
+        _print_vllm_layout(plan)
+
+
+def _print_vllm_layout(plan: dict[str, Any]) -> None:
+    print("engine:   vllm (byte counts per GPU)")
+    print(
+        f"layout:   tensor parallel {plan['tensorParallelSize']} over {plan['nodes']} "
+        f"node(s) of {plan['gpusPerPod']} GPU(s), pipeline parallel 1, as a {plan['workload']}"
+    )
+    if plan.get("gpuMemoryUtilization") is not None:
+        print(f"vLLM --gpu-memory-utilization: {plan['gpuMemoryUtilization']}")
+    shares = plan.get("perGpu")
+    if shares:
+        print(
+            f"per GPU:  target weights {_bytes(shares['targetWeightsBytes'])}, draft weights "
+            f"{_bytes(shares['draftWeightsBytes'])}, KV cache {_bytes(shares['kvCacheBytes'])}, "
+            f"reserve {_bytes(shares['reserveBytes'])}"
+        )
+    fewest = plan.get("smallestTensorParallelSize")
+    if "smallestTensorParallelSize" in plan:
+        print(f"fewest GPUs with the draft: {fewest if fewest is not None else 'none up to 64'}")
+
+
+def render_command(
+    path: Path, gpu_memory: str | None, gpus_per_node: int | None, namespace: str | None
+) -> tuple[str, str | None]:
+    """(the children as YAML documents, a note for stderr); UsageError where nothing fits."""
+    document = _load_document(path)
+    spec = _parse(path)
+    meta = document.get("metadata") if "spec" in document else None
+    meta = meta if isinstance(meta, dict) else {}
+    name = str(meta.get("name") or "")
+    if not name:
+        raise UsageError(
+            f"-f {path}: metadata.name is missing: render needs the whole SpeculativePair "
+            "(its name names the children)"
+        )
+    problem = name_problem(name)
+    if problem is not None:
+        raise UsageError(f"metadata.name: {problem}")
+    device = _device(spec, gpu_memory)
+    if device is not None and gpus_per_node is not None:
+        device = replace(device, gpus_per_node=gpus_per_node)
+    pair = PairRef(
+        name,
+        namespace or str(meta.get("namespace") or "default"),
+        str(meta.get("uid") or PREVIEW_UID),
+    )
+    per_node = spec.resources.gpus_per_node or gpus_per_node
+    result = render(pair, spec, device, per_node=per_node)
+    if result.refused:
+        assert result.plan is not None
+        raise DoesNotFit(
+            f"the pair does not fit, so the operator creates nothing: {result.plan.reason}"
+        )
+    note = None
+    if device is None:
+        note = "device memory unknown: rendered with speculation on, unplanned (pass --gpu-memory)"
+    elif result.plan is not None and result.plan.mode == "TargetOnly":
+        note = f"TargetOnly: {result.plan.reason}"
+    text = yaml.safe_dump_all(list(result.children), sort_keys=False)
+    return text, note
 
 
 def _run_operator(args: argparse.Namespace) -> None:
@@ -319,12 +471,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.output.write_text(crd.render_crd())
             print(f"wrote {args.output}")
         elif args.command == "plan":
-            _print_plan(plan_command(args.file, args.gpu_memory), args.json)
+            _print_plan(plan_command(args.file, args.gpu_memory, args.gpus_per_node), args.json)
+        elif args.command == "render":
+            text, note = render_command(
+                args.file, args.gpu_memory, args.gpus_per_node, args.namespace
+            )
+            if note is not None:
+                print(f"note: {note}", file=sys.stderr)
+            sys.stdout.write(text)
         else:
             _run_operator(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except DoesNotFit as error:
+        print(f"error: {error}", file=sys.stderr)
+        return DOES_NOT_FIT
     return 0
 
 

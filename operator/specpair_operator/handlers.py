@@ -33,7 +33,16 @@ from specpair_operator import api, metrics
 from specpair_operator.controller import Controller, Watched
 from specpair_operator.kube import Kube, load_api_client
 from specpair_operator.leader import LeaderElector
-from specpair_operator.store import CONFIG_MAP, DEPLOYMENT, NODE, PAIR, POD, REPLICA_SET, SERVICE
+from specpair_operator.store import (
+    CONFIG_MAP,
+    DEPLOYMENT,
+    LEADER_WORKER_SET,
+    NODE,
+    PAIR,
+    POD,
+    REPLICA_SET,
+    SERVICE,
+)
 
 log = logging.getLogger("specpair.operator")
 
@@ -127,3 +136,9 @@ async def service_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
 @kopf.on.event("", "v1", "nodes")
 async def node_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     _observe(NODE, event, memo)
+
+
+# Engine vllm past one node. kopf serves this only where the LeaderWorkerSet CRD exists.
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+async def leader_worker_set_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    _observe(LEADER_WORKER_SET, event, memo)

@@ -24,9 +24,11 @@ from specpair_operator.api import (
     SpeculativePairSpec,
     Toleration,
 )
-from specpair_runtime.planner import ModelGeometry, Plan, plan
+from specpair_runtime.planner import ModelGeometry, ParallelRequest, Plan, plan, plan_parallel
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+# GPU feature discovery's count of a node's GPUs (engine vllm: GPUs one pod may take).
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 MIB = 1024**2
 
 _QUANTITY = re.compile(QUANTITY_PATTERN)  # the CRD's own pattern: (number)(fraction)(suffix)
@@ -48,6 +50,7 @@ class DeviceMemory:
     bytes: int
     source: str
     cuda: bool
+    gpus_per_node: int | None = None  # engine vllm: GPUs one node gives a pod, when known
 
 
 def _tolerates(taint: Mapping[str, Any], tolerations: Sequence[Toleration]) -> bool:
@@ -128,7 +131,9 @@ def device_memory(
     spec: SpeculativePairSpec, nodes: Iterable[Mapping[str, Any]] = ()
 ) -> DeviceMemory | None:
     """The device the plan must fit; None when nothing says how large it is."""
+    nodes = list(nodes)
     res = spec.resources
+    per_node = gpus_per_node(spec, nodes) if spec.engine == "vllm" else None
     if res.gpus == 0:
         if res.memory is None:
             return None
@@ -142,6 +147,7 @@ def device_memory(
             parse_quantity(res.gpu_memory, field="spec.resources.gpuMemory"),
             "spec.resources.gpuMemory",
             cuda=True,
+            gpus_per_node=per_node,
         )
     sizes: list[tuple[int, str]] = []
     for node in nodes:
@@ -156,7 +162,8 @@ def device_memory(
     if not sizes:
         return None
     smallest, name = min(sizes)
-    return DeviceMemory(smallest, f"node {name} label {GPU_MEMORY_LABEL}", cuda=True)
+    source = f"node {name} label {GPU_MEMORY_LABEL}"
+    return DeviceMemory(smallest, source, cuda=True, gpus_per_node=per_node)
 
 
 def geometry(model: PairModel) -> ModelGeometry:
@@ -170,8 +177,48 @@ def geometry(model: PairModel) -> ModelGeometry:
     )
 
 
-def plan_for_spec(spec: SpeculativePairSpec, device: DeviceMemory) -> Plan:
-    """The VRAM plan of ``spec`` on ``device``."""
+def gpus_per_node(spec: SpeculativePairSpec, nodes: Iterable[Mapping[str, Any]] = ()) -> int | None:
+    """GPUs one node gives a pod: the spec's, else the smallest count label; None: unknown."""
+    if spec.resources.gpus_per_node is not None:
+        return spec.resources.gpus_per_node
+    counts: list[int] = []
+    for node in nodes:
+        value = ((node.get("metadata") or {}).get("labels") or {}).get(GPU_COUNT_LABEL)
+        if value is None or not node_usable(node) or not node_admits(node, spec):
+            continue
+        try:
+            counts.append(int(value))
+        except ValueError:
+            continue  # a malformed label says nothing
+    return min(counts) if counts else None
+
+
+def parallel_request(
+    spec: SpeculativePairSpec, device_bytes: int, *, cuda: bool, per_node: int | None
+) -> ParallelRequest:
+    """What vLLM's layout of ``spec`` is planned from (engine vllm)."""
+    gpus = max(spec.resources.gpus, 1)
+    return ParallelRequest(
+        tensor_parallel_size=gpus,
+        draft_tensor_parallel_size=gpus,  # vLLM's draft_model shards the draft like the target
+        max_batch_size=spec.serving.max_batch_size,
+        max_model_length=spec.serving.max_model_length,
+        device_bytes=device_bytes,
+        headroom_fraction=spec.resources.headroom_fraction,
+        gpus_per_node=per_node,
+        speculative_tokens=spec.speculation.max_depth,
+        cuda=cuda,
+    )
+
+
+def plan_for_spec(
+    spec: SpeculativePairSpec, device: DeviceMemory, *, per_node: int | None = None
+) -> Plan:
+    """The VRAM plan of ``spec`` on ``device`` (per GPU for engine vllm)."""
+    if spec.engine == "vllm":
+        known = spec.resources.gpus_per_node or per_node or device.gpus_per_node
+        request = parallel_request(spec, device.bytes, cuda=device.cuda, per_node=known)
+        return plan_parallel(geometry(spec.target), geometry(spec.draft), request)
     return plan(
         geometry(spec.target),
         geometry(spec.draft),

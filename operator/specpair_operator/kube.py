@@ -43,7 +43,12 @@ def path_for(api_version: str, plural: str, namespace: str | None, name: str | N
     return base if name is None else f"{base}/{name}"
 
 
-PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments"}
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "Service": "services",
+    "Deployment": "deployments",
+    "LeaderWorkerSet": "leaderworkersets",
+}
 
 
 def object_path(obj: Obj, *, collection: bool = False) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from specpair_operator.builders import CONTAINER_NAME
+from specpair_operator.engines import metrics_container, readiness_container
 
 TIMEOUT_SECONDS = 2.0
 
@@ -28,13 +29,13 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
     return False
 
 
-def endpoint(pod: Mapping[str, Any]) -> str | None:
-    """``http://<podIP>:<port>`` of the runtime container, or None before it has an IP."""
+def endpoint(pod: Mapping[str, Any], container_name: str = CONTAINER_NAME) -> str | None:
+    """``http://<podIP>:<port>`` of a container (the runtime's), or None before it has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
     for container in (pod.get("spec") or {}).get("containers") or []:
-        if container.get("name") == CONTAINER_NAME:
+        if container.get("name") == container_name:
             for port in container.get("ports") or []:
                 if port.get("containerPort"):
                     host = f"[{ip}]" if ":" in ip else ip
@@ -53,8 +54,14 @@ def fetch(url: str, timeout: float = TIMEOUT_SECONDS) -> tuple[int, str] | None:
         return None
 
 
+def metrics_endpoint(pod: Mapping[str, Any]) -> str | None:
+    """Where the pod's engine serves ``/metrics`` (the runtime; vLLM itself)."""
+    return endpoint(pod, metrics_container(pod))
+
+
 def readiness_body(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    base = endpoint(pod)
+    # The runtime's /readyz; beside vLLM the gate's, which has the same body.
+    base = endpoint(pod, readiness_container(pod))
     reply = None if base is None else fetch(f"{base}/readyz")
     if reply is None:
         return None

@@ -20,11 +20,13 @@ from typing import Any, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
-from specpair_operator import builders, conditions, headroom, inventory, pods
+from specpair_operator import builders, conditions, headroom, inventory, pods, render
 from specpair_operator import references as refs
 from specpair_operator.api import SpecError, SpeculativePairSpec, parse_pair
 from specpair_operator.builders import REVISION_LABEL, Manifest, PairRef
 from specpair_operator.drift import corrected, differences
+from specpair_operator.engines import lws
+from specpair_operator.engines.lws import deployment_view
 from specpair_operator.history import find, kept_revisions
 from specpair_operator.kube import Kube, Obj, object_path, pair_path, path_for, with_conflict_retry
 from specpair_operator.metrics import WRITES
@@ -41,12 +43,14 @@ from specpair_operator.status import Observation, build_status, serving_at, stat
 from specpair_operator.store import (
     CONFIG_MAP,
     DEPLOYMENT,
+    LEADER_WORKER_SET,
     NODE,
     PAIR,
     POD,
     REPLICA_SET,
     Store,
 )
+from specpair_runtime.planner import Plan
 
 EmitEvent = Callable[[str, str, str], None]  # (type, reason, message)
 # The documented opt-in for an HPA (or KEDA) that owns the Deployment's replicas.
@@ -118,7 +122,10 @@ def apply_child(kube: Kube, store: Store, pair: PairRef, desired: Manifest) -> s
 
 
 def _nodes(store: Store, spec: SpeculativePairSpec) -> list[Obj]:
-    if spec.resources.gpus == 0 or spec.resources.gpu_memory is not None:
+    res = spec.resources
+    # engine vllm also reads how many GPUs a node has, unless the spec says.
+    counted = spec.engine != "vllm" or res.gpus_per_node is not None
+    if res.gpus == 0 or (res.gpu_memory is not None and counted):
         return []  # the spec already says how large the device is
     return store.select(NODE, None, {})
 
@@ -174,7 +181,11 @@ def reconcile(
     result = Result()
 
     def deployment() -> Obj | None:
-        return store.peek(DEPLOYMENT, pair.namespace, pair.name)
+        found = store.peek(DEPLOYMENT, pair.namespace, pair.name)
+        if found is None:  # engine vllm past one node: read the LeaderWorkerSet as one
+            group = store.peek(LEADER_WORKER_SET, pair.namespace, pair.name)
+            found = None if group is None else deployment_view(group)
+        return found
 
     try:
         spec = parse_pair(body)  # the name too: v1.20 skips the CEL rule on metadata.name
@@ -207,16 +218,19 @@ def reconcile(
     held = annotations.get(FAILED_REVISION_ANNOTATION) == revision
     missing: list[str] = []
     if plan is None or plan.mode != "DoesNotFit":
-        config_map, service, wanted = _children(pair, spec, generation, revision, speculate)
+        config_map, service, wanted = _children(
+            pair, spec, generation, revision, speculate, plan, device
+        )
         for child in (config_map, service):
             _apply(kube, store, pair, child, result)
         if not held:
             # The Deployment last: its pods mount the ConfigMap above.
-            live = deployment()
+            live = store.peek(wanted["kind"], pair.namespace, pair.name)
             if live is not None and external_replicas(body):
                 wanted = _without_replicas(wanted)
             changes = live is None or bool(differences(wanted, live))
-            if changes or not serving_at(live or {}, revision) or _was_missing(previous):
+            serving = serving_at(deployment() or {}, revision)
+            if changes or not serving or _was_missing(previous):
                 force = changes or _was_missing(previous)
                 missing = _forbidden_is_none(
                     lambda: checker.missing(
@@ -270,35 +284,42 @@ def reconcile(
 
 
 _CHILDREN_CACHE_SIZE = 4096
-_children_cache: OrderedDict[tuple[str, int, str, bool], tuple[Manifest, ...]] = OrderedDict()
+_children_cache: OrderedDict[tuple[object, ...], tuple[Manifest, ...]] = OrderedDict()
 _children_lock = threading.Lock()
 
 
 def _children(
-    pair: PairRef, spec: SpeculativePairSpec, generation: int, revision: str, speculate: bool
+    pair: PairRef,
+    spec: SpeculativePairSpec,
+    generation: int,
+    revision: str,
+    speculate: bool,
+    plan: Plan | None = None,
+    device: headroom.DeviceMemory | None = None,
 ) -> tuple[Manifest, Manifest, Manifest]:
-    """ConfigMap, Service and Deployment as wanted (built once per spec generation).
+    """ConfigMap, Service and workload as wanted (built once per spec generation).
 
     A pass over an unchanged pair builds nothing: rendering ``runtime.yaml``
     was half of its time. The manifests are shared: never change them.
     """
-    key = (pair.uid, generation, revision, speculate)
+    per_node = None if device is None else device.gpus_per_node
+    # vLLM's pods also follow the plan's layout (memory share, nodes).
+    shape = (None if plan is None else plan.parallel, per_node) if spec.engine == "vllm" else None
+    key = (pair.uid, generation, revision, speculate, shape)
     with _children_lock:
         found = _children_cache.get(key)
         if found is not None:
             _children_cache.move_to_end(key)
     if found is None:
-        found = (
-            builders.config_map(pair, spec, revision, speculate=speculate),
-            builders.service(pair, spec),
-            builders.deployment(pair, spec, revision),
+        found = render.children(
+            pair, spec, revision, speculate=speculate, plan=plan, per_node=per_node
         )
         with _children_lock:
             _children_cache[key] = found
             while len(_children_cache) > _CHILDREN_CACHE_SIZE:
                 _children_cache.popitem(last=False)
-    config_map, service, deployment = found
-    return config_map, service, deployment
+    config_map, service, workload = found
+    return config_map, service, workload
 
 
 def _was_missing(previous: dict[str, Any]) -> bool:
@@ -393,15 +414,19 @@ def _roll_back(
     result: Result,
 ) -> bool:
     """Put the last good revision back; False when its ReplicaSet is gone."""
-    selector = {"app.kubernetes.io/instance": pair.name, builders.REVISION_LABEL: good}
-    template = good_template(store.select(REPLICA_SET, pair.namespace, selector), good)
-    if template is None:
-        return False
-    # The Deployment first: if the annotation is then lost, the next pass retries
-    # the failed revision and rolls back again, instead of holding a broken one.
-    dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
-    store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
-    WRITES.labels(kind="Deployment", verb="rollback").inc()
+    if dep.get("kind") == lws.KIND:
+        if not _roll_back_group(kube, store, pair, good):
+            return False
+    else:
+        selector = {"app.kubernetes.io/instance": pair.name, builders.REVISION_LABEL: good}
+        template = good_template(store.select(REPLICA_SET, pair.namespace, selector), good)
+        if template is None:
+            return False
+        # The Deployment first: if the annotation is then lost, the next pass retries
+        # the failed revision and rolls back again, instead of holding a broken one.
+        dep_path = path_for("apps/v1", "deployments", pair.namespace, pair.name)
+        store.put(DEPLOYMENT, kube.replace(dep_path, rolled_back_deployment(dep, template, good)))
+        WRITES.labels(kind="Deployment", verb="rollback").inc()
     result.writes.append(f"rollback Deployment/{pair.name} to {good}")
     annotations = body["metadata"].get("annotations") or {}
     if annotations.get(FAILED_REVISION_ANNOTATION) != failed:
@@ -411,6 +436,19 @@ def _roll_back(
         body["metadata"] = updated["metadata"]
         result.writes.append("annotate failed revision")
     emit("Warning", "RolledBack", f"revision {failed} failed: {failure}; rolled back to {good}")
+    return True
+
+
+def _roll_back_group(kube: Kube, store: Store, pair: PairRef, good: str) -> bool:
+    """A LeaderWorkerSet's good group template back, from its revision's ConfigMap."""
+    group = store.peek(LEADER_WORKER_SET, pair.namespace, pair.name)
+    cm = store.peek(CONFIG_MAP, pair.namespace, builders.config_map_name(pair, good))
+    template = lws.good_group_template(cm)
+    if group is None or template is None:
+        return False
+    path = path_for(lws.API_VERSION, lws.PLURAL, pair.namespace, pair.name)
+    store.put(LEADER_WORKER_SET, kube.replace(path, lws.rolled_back_group(group, template, good)))
+    WRITES.labels(kind=lws.KIND, verb="rollback").inc()
     return True
 
 

@@ -19,6 +19,12 @@ out at once. The hash covers (camelCase spec paths):
 It leaves out what can change without moving the models: ``replicas``,
 ``rollout``, ``resources``, ``scheduling``, the size hints, and the live
 ``speculation`` knobs, which the runtime applies without a restart.
+
+With ``engine: vllm`` the hash also covers what vLLM reads only at start:
+its image and extra arguments, the tensor-parallel size, and the
+speculative config (depth, depth table, or none). vLLM takes no knob live,
+so a depth change is a new revision, gated and rolled out as one unit. A
+specpair pair's inputs have no engine entry, so its revisions do not move.
 """
 
 from __future__ import annotations
@@ -43,10 +49,27 @@ def _set_fields(model: ContractModel, optional: tuple[str, ...]) -> dict[str, ob
     return model.model_dump(exclude=unset, by_alias=True, mode="json")
 
 
+def _vllm_inputs(spec: SpeculativePairSpec, *, draft_loaded: bool) -> dict[str, object]:
+    from specpair_operator.engines.vllm import image
+    from specpair_operator.engines.vllm_args import speculative_config
+
+    tp = max(spec.resources.gpus, 1)
+    speculate = draft_loaded and spec.speculation.enabled
+    return {
+        "name": "vllm",
+        "image": image(spec),
+        "extraArgs": list(spec.vllm.extra_args) if spec.vllm is not None else [],
+        "tensorParallelSize": tp,
+        "speculativeConfig": speculative_config(spec, tp) if speculate else None,
+    }
+
+
 def revision_inputs(spec: SpeculativePairSpec, *, draft_loaded: bool) -> dict[str, object]:
     """The exact document that is hashed (defaults filled in by the model)."""
     golden = spec.golden_prompts
+    engine = _vllm_inputs(spec, draft_loaded=draft_loaded) if spec.engine == "vllm" else None
     return {
+        **({"engine": engine} if engine is not None else {}),
         "version": spec.version,
         "target": _model_identity(spec.target),
         "draft": _model_identity(spec.draft),

@@ -23,6 +23,7 @@ from specpair_operator.acceptance import PodSample
 from specpair_operator.api import SpecError, parse_spec
 from specpair_operator.builders import REVISION_LABEL, PairRef
 from specpair_operator.conditions import rfc3339
+from specpair_operator.engines.lws import is_leader
 from specpair_operator.history import find, with_baseline
 from specpair_operator.kube import Kube, pair_path
 from specpair_operator.store import PAIR, POD, Store
@@ -51,7 +52,7 @@ class Scraper:
     anchors: dict[str, PairAnchors] = field(default_factory=dict)
 
     def _sample(self, pod: dict[str, Any]) -> PodSample | None:
-        base = pods.endpoint(pod)
+        base = pods.metrics_endpoint(pod)
         if base is None:
             return None
         name = pod["metadata"]["name"]
@@ -79,7 +80,8 @@ class Scraper:
             return None
         selector = {"app.kubernetes.io/instance": pair.name, REVISION_LABEL: current}
         found = self.store.select(POD, pair.namespace, selector)
-        ready = [p for p in found if pods.is_ready(p)]
+        # A LeaderWorkerSet's workers serve no API: its leaders speak for their groups.
+        ready = [p for p in found if pods.is_ready(p) and is_leader(p)]
         samples: dict[str, PodSample] = {}
         for pod in ready:
             sample = self._sample(pod)
@@ -119,6 +121,8 @@ class Scraper:
                 "drift": acceptance.drifted(win.rate, baseline, drift.tolerance),
                 "speculationOff": off,
             }
+            if win.per_position:
+                patch["acceptance"]["perPosition"] = win.position_rates
             anchors.samples = dict(samples)
         elif previous is not None and previous.get("speculationOff") != off:
             patch["acceptance"] = {**previous, "speculationOff": off}

@@ -61,6 +61,19 @@ def placement(plan: Plan, device: DeviceMemory) -> dict[str, Any]:
         },
         "overheadBytes": plan.overhead_bytes,
         "deviceSource": device.source,
+        **_parallel(plan),
+    }
+
+
+def _parallel(plan: Plan) -> dict[str, Any]:
+    """Engine vllm's layout: the byte counts above are then per GPU."""
+    layout = plan.parallel
+    if layout is None:
+        return {}
+    return {
+        "tensorParallelSize": layout.tensor_parallel_size,
+        "nodes": layout.nodes,
+        "gpuMemoryUtilization": layout.gpu_memory_utilization,
     }
 
 

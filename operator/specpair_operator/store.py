@@ -26,7 +26,8 @@ POD = "Pod"
 CONFIG_MAP = "ConfigMap"
 SERVICE = "Service"
 NODE = "Node"
-KINDS = (PAIR, DEPLOYMENT, REPLICA_SET, POD, CONFIG_MAP, SERVICE, NODE)
+LEADER_WORKER_SET = "LeaderWorkerSet"  # engine vllm past one node; its CRD may be absent
+KINDS = (PAIR, DEPLOYMENT, REPLICA_SET, POD, CONFIG_MAP, SERVICE, NODE, LEADER_WORKER_SET)
 
 
 def key_of(obj: Mapping[str, Any]) -> Key:

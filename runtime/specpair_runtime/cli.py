@@ -226,14 +226,14 @@ def knobs_from(args: argparse.Namespace) -> SpeculationKnobs:
     )
 
 
-def load(args: argparse.Namespace, *, with_draft: bool) -> LoadedPair:
+def load(args: argparse.Namespace, *, with_draft: bool, keep_plain: bool = False) -> LoadedPair:
     from specpair_runtime.cpu_threads import apply_cpu_threads
     from specpair_runtime.engine.pair import load_pair
 
     threads, why = apply_cpu_threads(None)  # a pod's CPU quota caps torch's default
     log.debug("cpu threads: %d (%s)", threads, why)
     target, draft = model_specs(args, with_draft=with_draft)
-    return load_pair(target, draft, knobs_from(args), args.device)
+    return load_pair(target, draft, knobs_from(args), args.device, keep_plain=keep_plain)
 
 
 def write_json(document: object) -> None:
@@ -343,13 +343,32 @@ def print_check(report: dict[str, Any]) -> None:
 # --- bench -----------------------------------------------------------------------
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from specpair_runtime.benchmark import BenchSettings, format_table, plot, run_bench
+CHECKOUT = Path(__file__).resolve().parents[2]
+BENCH_HARNESS = "bench.engine_harness"
 
-    pair = load(args, with_draft=True)
+
+def bench_harness() -> Any:
+    """The benchmark harness (``bench/engine_harness.py``) of the checkout this runs from.
+
+    The harness is not part of the product package, so the runtime image has
+    no ``bench``: it measures, it does not serve.
+    """
+    if not (CHECKOUT / "bench" / "engine_harness.py").is_file():
+        raise UsageError(
+            "bench runs from a checkout of the specpair repo (bench/engine_harness.py); "
+            "this installation has none"
+        )
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    return importlib.import_module(BENCH_HARNESS)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    harness = bench_harness()
+    pair = load(args, with_draft=True, keep_plain=True)  # plain weights: HF's stock kernels
     if pair.speculation_refused:
         raise UsageError(f"cannot benchmark speculation: {pair.speculation_refused}")
-    settings = BenchSettings(
+    settings = harness.BenchSettings(
         prompts=args.prompt or None,
         chat=args.chat,
         max_new_tokens=args.max_new_tokens,
@@ -358,14 +377,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_assisted=not args.no_hf_assisted,
         repeats=args.repeats,
         runs=args.runs,
+        structured=not args.no_structured,
     )
-    result = run_bench(pair, settings)
+    result = harness.run_bench(pair, settings)
     if args.json:
         write_json(result.to_dict())
     else:
-        print(format_table(result))
+        print(harness.format_table(result))
     if args.plot is not None:
-        plot(result, args.plot)
+        harness.plot(result, args.plot)
         log.info("wrote %s", args.plot)
     return EXIT_OK
 
@@ -413,6 +433,16 @@ def build_parser() -> OneLineParser:
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(handler=cmd_check)
 
+    add_bench_command(subparsers)
+    add_serve_command(subparsers)
+    from specpair_runtime.sidecar import command as gate_command
+
+    gate_command.add_parser(subparsers)
+    return parser
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction[Any]) -> None:
+    """``bench``: the engine benchmark (from a checkout, ``bench/engine_harness.py``)."""
     bench = subparsers.add_parser(
         "bench", help="target-only vs specpair vs transformers assisted generation"
     )
@@ -435,6 +465,11 @@ def build_parser() -> OneLineParser:
         help="skip the run with the default knobs (adaptive depth)",
     )
     bench.add_argument("--no-hf-assisted", action="store_true", help="skip HF assisted generation")
+    bench.add_argument(
+        "--no-structured",
+        action="store_true",
+        help="skip the JSON-schema rows (target-only and default under one grammar)",
+    )
     bench.add_argument("--repeats", type=positive_int, default=1, metavar="N")
     bench.add_argument(
         "--runs",
@@ -446,9 +481,6 @@ def build_parser() -> OneLineParser:
     bench.add_argument("--plot", type=output_png, metavar="FILE.png", help="tokens/s per depth")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(handler=cmd_bench, depth=4, fixed_depth=False, draft_confidence=None)
-
-    add_serve_command(subparsers)
-    return parser
 
 
 def configure_logging(verbosity: int) -> None:

@@ -6,12 +6,19 @@ it must never import torch, transformers, kopf or kubernetes.
 
 YAML keys are lowerCamelCase (Kubernetes style); Python attributes are
 snake_case. Unknown keys are rejected so that a typo names its field.
+
+Every serving and engine option is defined once here (``Option``): its
+default, its default per device type, its bounds and its text. The runtime
+config's fields, the operator's CRD (``specpair_operator/api.py``) and the
+engine's options (``engine/options.py``) all read that one definition.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,14 +29,185 @@ Quantization = Literal["none", "int8-dynamic", "int4-weight"]
 PrefillOrder = Literal["shortest-first", "arrival"]
 
 
+# Upper bounds of the serving options: far beyond any sensible value, and safe for a
+# CRD (int32, so the apiserver needs no int64 format).
+MAX_REQUEST_BODY_BYTES = 2**30
+MAX_SERVING_TIMEOUT_SECONDS = 3600.0
+
+
+def _words(value: object) -> str:
+    """A default as the docs write it: true/false, 1e+03 -> 1000, text as it is."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One serving or engine option: what it does, its default(s), its bounds.
+
+    ``default`` applies where ``per_device`` names no default for the device
+    type; ``unset`` says in words what an unset value means where that is not
+    one plain value. ``bounds`` are pydantic's (``ge``, ``gt``, ``le``).
+    """
+
+    description: str
+    default: Any = None
+    per_device: Mapping[str, Any] = field(default_factory=dict)
+    unset: str = ""
+    bounds: Mapping[str, float] = field(default_factory=dict)
+
+    def for_device(self, value: Any, device_type: str) -> Any:
+        """``value``, or where it is unset the default for ``device_type``."""
+        if value is not None:
+            return value
+        return self.per_device.get(device_type, self.default)
+
+    def default_text(self) -> str:
+        return self.unset or _words(self.default)
+
+    def field(self, *, optional: bool = False, note: str = "", **bounds: float) -> Any:
+        """A pydantic field for this option.
+
+        ``optional``: unset (None) means the runtime's default, as in the CRD,
+        where an unset option stays out of the revision hash. Otherwise the
+        field holds the default itself (None where it depends on the device).
+        The description says what unset means wherever the field can be unset.
+        ``note`` adds what a consumer does with the value; ``bounds`` override.
+        """
+        default = None if optional or self.per_device else self.default
+        text = " ".join(part for part in (self.description, note) if part)
+        if default is None:  # what unset means; a plain default is the schema's own
+            text = f"{text} Unset: {self.default_text()}."
+        limits = {**self.bounds, **bounds}
+        return Field(
+            default=default,
+            description=text,
+            ge=limits.get("ge"),
+            gt=limits.get("gt"),
+            le=limits.get("le"),
+        )
+
+
+PORT = Option("The port the server listens on.", 8000, bounds={"ge": 1, "le": 65535})
+MAX_BATCH_SIZE = Option(
+    "Max running requests (one KV slot each); more wait in the queue.",
+    8,
+    bounds={"ge": 1, "le": 1024},
+)
+MAX_MODEL_LENGTH = Option(
+    "Prompt plus output tokens per request (positions per KV slot).",
+    2048,
+    bounds={"ge": 16, "le": 1048576},
+)
+MAX_WAITING_REQUESTS = Option(
+    "Queued requests beyond which the server answers 429.",
+    64,
+    bounds={"ge": 0, "le": 1000000},
+)
+# Where the measured budget starts: on the CPU one prefill token of a 1.5B model
+# costs about what one decode row does; a GPU is memory-bound far longer (vLLM's
+# default for chunked prefill).
+STEP_TOKENS_START = {"cpu": 32, "cuda": 2048}
+MAX_STEP_TOKENS = Option(
+    "Chunked-prefill budget: tokens per engine step over all running requests. "
+    "Decoding streams always get theirs; prompts enter in chunks that fill the rest. "
+    "Smaller keeps inter-token latency flat while prompts arrive, larger gives a "
+    "shorter time to first token.",
+    per_device=STEP_TOKENS_START,
+    unset=(
+        f"measured by the runtime (engine/budget.py), starting at {STEP_TOKENS_START['cpu']} "
+        f"on the CPU and {STEP_TOKENS_START['cuda']} on CUDA, so that a step with prompt "
+        "chunks takes at most a quarter longer than a plain decode step"
+    ),
+    bounds={"ge": 1, "le": 1048576},
+)
+CUDA_GRAPHS = Option(
+    "On CUDA, replay decode and verify steps as CUDA graphs, every shape captured "
+    "before the server turns ready (seconds); ignored on the CPU.",
+    True,
+)
+CUDA_GRAPH_COMPILE = Option(
+    "With cudaGraphs: record torch.compile's fused step (mode reduce-overhead) instead "
+    "of capturing the eager one. Its compiles take minutes at start-up.",
+    False,
+)
+PREFILL_ORDER = Option(
+    "Which waiting prompt reads its chunk first when several are entering: "
+    "shortest-first (the fewest tokens left; each step a prompt waits counts as one "
+    "token read, so a long one is passed by later, shorter ones for at most as many "
+    "steps as it has tokens) or arrival (oldest first: long prompts enter sooner, "
+    "short ones wait behind them).",
+    "shortest-first",
+)
+PREFIX_REUSE = Option(
+    "A new request starts after the longest prefix of its prompt (a shared system "
+    "prompt, an earlier chat turn) whose keys and values a KV slot still holds, so "
+    "its time to first token shrinks by the reused part; usage reports that part as "
+    "prompt_tokens_details.cached_tokens. Turn it off where tenants must not learn "
+    "about each other: with reuse on, a request's time to first token reveals "
+    "whether another request recently sent the same prompt prefix (why vLLM added "
+    "a cache salt).",
+    True,
+)
+CPU_THREADS = Option(
+    "Threads for the runtime's CPU kernels (1 to 1024).",
+    unset=(
+        "OMP_NUM_THREADS when set, else torch's default (one per core the process "
+        "sees) capped by the cgroup's CPU quota, so that the container is not throttled"
+    ),
+    bounds={"ge": 1, "le": 1024},
+)
+MAX_REQUEST_BODY_BYTES_OPTION = Option(
+    "Largest request body in bytes (1Ki to 1Gi); larger ones get 413 before they are read.",
+    unset="64Ki + 96 bytes x maxModelLength",
+    bounds={"ge": 1024, "le": MAX_REQUEST_BODY_BYTES},
+)
+HEADER_TIMEOUT_SECONDS = Option(
+    "A request's headers must arrive within this many seconds, else 408 and the connection closes.",
+    10.0,
+    bounds={"gt": 0.0, "le": MAX_SERVING_TIMEOUT_SECONDS},
+)
+BODY_TIMEOUT_SECONDS = Option(
+    "A request's body must arrive within this many seconds, else 408 and the connection closes.",
+    30.0,
+    bounds={"gt": 0.0, "le": MAX_SERVING_TIMEOUT_SECONDS},
+)
+DRAIN_TIMEOUT_SECONDS = Option(
+    "On SIGTERM, how long in-flight requests may finish.",
+    30.0,
+    bounds={"gt": 0.0, "le": MAX_SERVING_TIMEOUT_SECONDS},
+)
+
+# Each option by the name of its field in ServingOptions and in the CRD's ServingSpec.
+SERVING_OPTIONS: dict[str, Option] = {
+    "port": PORT,
+    "max_batch_size": MAX_BATCH_SIZE,
+    "max_model_length": MAX_MODEL_LENGTH,
+    "max_waiting_requests": MAX_WAITING_REQUESTS,
+    "max_step_tokens": MAX_STEP_TOKENS,
+    "cuda_graphs": CUDA_GRAPHS,
+    "cuda_graph_compile": CUDA_GRAPH_COMPILE,
+    "prefill_order": PREFILL_ORDER,
+    "prefix_reuse": PREFIX_REUSE,
+    "cpu_threads": CPU_THREADS,
+    "max_request_body_bytes": MAX_REQUEST_BODY_BYTES_OPTION,
+    "header_timeout_seconds": HEADER_TIMEOUT_SECONDS,
+    "body_timeout_seconds": BODY_TIMEOUT_SECONDS,
+    "drain_timeout_seconds": DRAIN_TIMEOUT_SECONDS,
+}
+
+
 def recommended_draft_quantization(device_type: str) -> Quantization:
     """What the demo and the benchmarks run the draft with on a device of this type.
 
     int4-weight on the CPU: cheaper than fp32 and accepted nearly as often
-    (engine/int4_linears.py has the numbers), also where oneDNN has no native
-    bf16 (an AVX2-only AMD EPYC: 1.71x target-only against 1.33x for the fp32
-    draft, docs/benchmarks-history.md); nothing on CUDA, where the draft's bf16
-    forward is cheap already.
+    (engine/cpu/int4.py has the numbers), also where oneDNN has no native
+    bf16 (on an AVX2-only AMD EPYC the int4 draft made the engine 1.71x
+    target-only, the fp32 draft 1.33x); nothing on CUDA, where the draft's
+    bf16 forward is cheap already.
     """
     return "int4-weight" if device_type == "cpu" else "none"
 
@@ -38,8 +216,31 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
 # default): on by default on the CPU only. On CUDA the check reads the draft's
 # probabilities back once per draft forward, which breaks the step's single host sync.
 # Unset with adaptive depth, the threshold follows the measured costs
-# (``CostModel.break_even_confidence``); this value serves until they are measured.
-DEFAULT_DRAFT_CONFIDENCE = {"cpu": 0.5}
+# (``CostModel.break_even_confidence``); the CPU's value serves until they are measured.
+DRAFT_CONFIDENCE = Option(
+    "A request stops drafting in a step once the product of the draft's probabilities "
+    "of its drafts so far is below this (0 disables).",
+    0.0,
+    per_device={"cpu": 0.5},
+    unset=(
+        "on the CPU with adaptive depth, the break-even acceptance of one more draft token "
+        "from the measured step costs (0.5 until measured); off on CUDA and with a fixed depth"
+    ),
+    bounds={"ge": 0.0, "le": 1.0},
+)
+# A step that reads a prompt chunk speculates, except on the CPU: there such a step
+# is bound by its arithmetic, and every verify token costs about what a prompt token does.
+DURING_PREFILL = Option(
+    "Speculate in steps that also read a prompt chunk (chunked prefill).",
+    True,
+    per_device={"cpu": False},
+    unset=(
+        "on, except on the CPU, where such a step is bound by its arithmetic: there the "
+        "verify tokens slow the prompts' reading about as much as they speed up the "
+        "decoding requests, so the decoding requests take one token per step until the "
+        "waiting prompts are read"
+    ),
+)
 
 
 def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> float:
@@ -48,9 +249,9 @@ def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> floa
     Unset, it is the device's default with adaptive depth, and 0 with a fixed
     depth (a fixed depth drafts exactly ``maxDepth`` tokens).
     """
-    if knobs.draft_confidence is not None:
-        return knobs.draft_confidence
-    return DEFAULT_DRAFT_CONFIDENCE.get(device_type, 0.0) if knobs.adaptive else 0.0
+    if knobs.draft_confidence is not None or knobs.adaptive:
+        return float(DRAFT_CONFIDENCE.for_device(knobs.draft_confidence, device_type))
+    return 0.0
 
 
 def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool:
@@ -61,9 +262,7 @@ def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool
 
 def resolved_during_prefill(knobs: SpeculationKnobs, device_type: str) -> bool:
     """Whether steps that read a prompt chunk speculate: the knob, else all but the CPU."""
-    if knobs.during_prefill is not None:
-        return knobs.during_prefill
-    return device_type != "cpu"
+    return bool(DURING_PREFILL.for_device(knobs.during_prefill, device_type))
 
 
 class ContractModel(BaseModel):
@@ -122,31 +321,11 @@ class SpeculationKnobs(ContractModel):
     max_depth: int = Field(default=4, ge=1, le=16, description="Max tokens drafted per step.")
     min_depth: int = Field(default=1, ge=1, le=16, description="Min depth for adaptive depth.")
     adaptive: bool = Field(default=True, description="Depth follows the measured acceptance.")
-    draft_confidence: float | None = Field(
-        default=None,
-        ge=0.0,
-        le=1.0,
-        description=(
-            "A request stops drafting in a step once the product of the draft's "
-            "probabilities of its drafts so far is below this (0 disables). Default on "
-            "the CPU with adaptive depth: the break-even acceptance of one more draft "
-            "token from the measured step costs (0.5 until measured); off on CUDA and "
-            "with a fixed depth."
-        ),
-    )
+    draft_confidence: float | None = DRAFT_CONFIDENCE.field(optional=True)
     disable_above_batch_size: int | None = Field(
         default=None, ge=1, description="Pause speculation while the running batch is larger."
     )
-    during_prefill: bool | None = Field(
-        default=None,
-        description=(
-            "Speculate in steps that also read a prompt chunk (chunked prefill). Default: "
-            "on, except on the CPU, where such a step is bound by its arithmetic: there "
-            "the verify tokens slow the prompts' reading about as much as they speed up "
-            "the decoding requests, so the decoding requests take one token per step "
-            "until the waiting prompts are read."
-        ),
-    )
+    during_prefill: bool | None = DURING_PREFILL.field(optional=True)
     acceptance_floor: float = Field(
         default=0.0,
         ge=0.0,
@@ -180,57 +359,16 @@ class OutputFilter(ContractModel):
 
 class ServingOptions(ContractModel):
     host: str = Field(default="127.0.0.1", description="Address to bind.")
-    port: int = Field(default=8000, ge=1, le=65535, description="Port to bind.")
-    max_batch_size: int = Field(default=8, ge=1, description="Max running requests.")
-    max_model_length: int = Field(default=2048, ge=16, description="Prompt + output tokens.")
-    max_waiting_requests: int = Field(default=64, ge=0, description="Queue bound; then 429.")
-    max_step_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        description=(
-            "Tokens per engine step over all running requests; a long prompt enters in "
-            "chunks that fit beside the running decodes. Default: measured (engine/budget.py), "
-            "starting at 32 on the CPU and 2048 on CUDA."
-        ),
-    )
-    cuda_graphs: bool = Field(
-        default=True,
-        description=(
-            "On CUDA, replay decode/verify steps as CUDA graphs, each shape recorded before "
-            "the pod turns ready (seconds)."
-        ),
-    )
-    cuda_graph_compile: bool = Field(
-        default=False,
-        description=(
-            "With cudaGraphs: record torch.compile's fused step (mode reduce-overhead) "
-            "instead of capturing the eager step. Compiles take minutes at start-up."
-        ),
-    )
-    prefill_order: PrefillOrder = Field(
-        default="shortest-first",
-        description=(
-            "Which waiting prompt reads its chunk first: shortest-first (the fewest tokens "
-            "left, each step waited counting as one token read) or arrival (oldest first)."
-        ),
-    )
-    prefix_reuse: bool = Field(
-        default=True,
-        description=(
-            "A new request skips the longest prefix of its prompt (a shared system prompt, "
-            "an earlier chat turn) whose keys and values a KV slot still holds. Off: every "
-            "prompt is read in full, so no request's timing depends on another's prompt."
-        ),
-    )
-    cpu_threads: int | None = Field(
-        default=None,
-        ge=1,
-        le=1024,
-        description=(
-            "Threads for torch's CPU kernels. Default: OMP_NUM_THREADS when set, else "
-            "torch's default capped by the cgroup's CPU quota (cpu_threads.py)."
-        ),
-    )
+    port: int = PORT.field()
+    max_batch_size: int = MAX_BATCH_SIZE.field()
+    max_model_length: int = MAX_MODEL_LENGTH.field()
+    max_waiting_requests: int = MAX_WAITING_REQUESTS.field()
+    max_step_tokens: int | None = MAX_STEP_TOKENS.field()
+    cuda_graphs: bool = CUDA_GRAPHS.field()
+    cuda_graph_compile: bool = CUDA_GRAPH_COMPILE.field()
+    prefill_order: PrefillOrder = PREFILL_ORDER.field()
+    prefix_reuse: bool = PREFIX_REUSE.field()
+    cpu_threads: int | None = CPU_THREADS.field()
     api_key_file: str | None = Field(
         default=None,
         description=(
@@ -242,23 +380,10 @@ class ServingOptions(ContractModel):
         default=None, description="Golden-prompt file checked before /readyz turns ready."
     )
     output_filter: OutputFilter | None = Field(default=None, description="Verified-text filter.")
-    drain_timeout_seconds: float = Field(
-        default=30.0, gt=0, description="SIGTERM: how long in-flight requests may finish."
-    )
-    max_request_body_bytes: int | None = Field(
-        default=None,
-        ge=1024,
-        description=(
-            "Largest request body; larger ones get 413 before they are read. "
-            "Default: derived from maxModelLength (see request_body_limit)."
-        ),
-    )
-    header_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="A request's headers must arrive within this time (408)."
-    )
-    body_timeout_seconds: float = Field(
-        default=30.0, gt=0, description="A request's body must arrive within this time (408)."
-    )
+    drain_timeout_seconds: float = DRAIN_TIMEOUT_SECONDS.field()
+    max_request_body_bytes: int | None = MAX_REQUEST_BODY_BYTES_OPTION.field()
+    header_timeout_seconds: float = HEADER_TIMEOUT_SECONDS.field()
+    body_timeout_seconds: float = BODY_TIMEOUT_SECONDS.field()
 
     @property
     def request_body_limit(self) -> int:
@@ -333,3 +458,56 @@ def load_runtime_config(path: Path) -> RuntimeConfig:
 def dump_runtime_config(config: RuntimeConfig) -> str:
     """Render the config as YAML (what the operator writes into a ConfigMap)."""
     return yaml.safe_dump(config.to_wire(), sort_keys=False)
+
+
+class GateConfig(ContractModel):
+    """The gate sidecar beside an engine that is not specpair's own (``specpair-runtime gate``).
+
+    It checks the pair's alignment from the model files, then runs the golden
+    prompts through the engine's OpenAI API, and reports the outcome on its
+    ``/readyz`` (the pod's readiness), as the runtime's own server does.
+    """
+
+    pair: PairInfo
+    engine_url: str = Field(
+        default="http://127.0.0.1:8000", description="The engine's OpenAI server in the pod."
+    )
+    served_model_name: str = Field(min_length=1, description="The model name the engine serves.")
+    target: ModelSpec
+    draft: ModelSpec | None = Field(
+        default=None, description="The draft, when the engine speculates with it."
+    )
+    golden_prompts_file: str | None = Field(
+        default=None, description="Golden-prompt file checked before /readyz turns ready."
+    )
+    host: str = Field(default="0.0.0.0", description="Address of the gate's own HTTP server.")
+    port: int = Field(default=8001, ge=1, le=65535, description="Port of the gate's server.")
+    cuda: bool = Field(
+        default=True, description="The engine runs on CUDA (sets the default near-tie margin)."
+    )
+    engine_start_timeout_seconds: float = Field(
+        default=1800.0, gt=0, description="How long the engine may take to answer /health."
+    )
+    request_timeout_seconds: float = Field(
+        default=300.0, gt=0, description="One golden request's time limit."
+    )
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the engine's API key, if any."
+    )
+
+
+def dump_gate_config(config: GateConfig) -> str:
+    return yaml.safe_dump(config.to_wire(), sort_keys=False)
+
+
+def load_gate_config(path: Path) -> GateConfig:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read gate config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    try:
+        return GateConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None

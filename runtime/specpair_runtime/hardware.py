@@ -4,7 +4,7 @@ Benchmark figures depend on the CPU far more than on its core count: on two
 vCPUs, a Xeon with AVX-512 and an AMD EPYC with AVX2 only gave target-only
 3.08 and 0.96-1.57 tok/s on the same pair, and the int4 draft runs its many-row
 calls as bf16 GEMMs only where oneDNN has native bf16 (see
-``engine/int4_linears.py``). So every benchmark report names the CPU.
+``engine/cpu/int4.py``). So every benchmark report names the CPU.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ from pathlib import Path
 import torch
 
 from specpair_runtime.cgroups import read_text
-from specpair_runtime.engine.int4_linears import native_bf16_gemm
 
 CPUINFO = Path("/proc/cpuinfo")
+
+
+def native_bf16_gemm() -> bool:
+    """True where oneDNN runs bf16 GEMMs natively (AVX-512 BF16, AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cpu_model(cpuinfo: str) -> str | None:

@@ -10,7 +10,7 @@ worker thread waits for the next parallel region decides two costs:
   about 0.1 ms a parallel region on 2 cores (Xeon, AVX-512). A decode step is
   hundreds of small ops: the int8 0.5B draft's forward of one token took 58 ms
   under ``PASSIVE`` and 39 ms with a short spin; the fp32 1.5B target's 316 ms
-  and 303 ms (2 threads, medians of 3 processes; docs/benchmarks-history.md).
+  and 303 ms (2 threads, medians of 3 processes).
 
 So the runtime sleeps as ``PASSIVE`` does, but first spins ``SPIN_COUNT``
 rounds (``GOMP_SPINCOUNT``; libgomp's estimate is about 100,000 rounds a

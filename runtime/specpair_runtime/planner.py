@@ -96,6 +96,8 @@ class Plan:
     target: ModelEstimate
     draft: ModelEstimate
     overhead_bytes: int
+    # vLLM's layout (engine vllm): the byte counts above are then per GPU.
+    parallel: ParallelLayout | None = None
 
     @property
     def speculation_possible(self) -> bool:
@@ -172,3 +174,260 @@ def plan(
         f"but only {budget}"
     )
     return result("DoesNotFit", target_only, RUNTIME_OVERHEAD_BYTES, reason)
+
+
+# --- vLLM's layout: tensor parallelism over one or more nodes -----------------------------
+#
+# Per GPU, vLLM holds the target's weights divided by the tensor-parallel size (TP), the
+# draft's divided by its own TP (1: a full copy on every GPU; or the target's TP), both KV
+# caches for the pair's context and batch (a model's KV heads are split across the ranks;
+# where there are fewer KV heads than ranks, each rank keeps one), and a reserve that
+# vLLM's memory profile charges before it sizes its KV pool:
+
+# CUDA context, NCCL and custom all-reduce buffers, cuBLAS workspaces (non-torch memory).
+VLLM_CONTEXT_BYTES = 1 * GIB
+# The profiled peak of one max_num_batched_tokens forward (activations, the sampler's logits).
+VLLM_ACTIVATION_BYTES = 2 * GIB
+# CUDA graphs captured for the decode batch sizes up to max_num_seqs (target and draft).
+VLLM_CUDA_GRAPH_BYTES = 1 * GIB
+# On the CPU there is no device context nor graphs; two processes (API server and engine
+# core) each import torch and vLLM: about 1.5 GiB resident together, plus activations.
+VLLM_CPU_PROCESS_BYTES = 3 * GIB // 2
+VLLM_CPU_ACTIVATION_BYTES = 1 * GIB
+# Tensor-parallel sizes the planner proposes when it searches for the smallest that fits.
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+Layout = Literal["SingleNode", "MultiNode"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How vLLM spreads the pair: per-GPU shares, the GPUs, the nodes."""
+
+    tensor_parallel_size: int
+    draft_tensor_parallel_size: int
+    nodes: int  # pods in one group (1: a Deployment; more: a LeaderWorkerSet)
+    gpus_per_node: int
+    reserve_bytes: int  # context, activations and graphs, per GPU
+    gpu_memory_utilization: float  # vLLM's --gpu-memory-utilization (CUDA)
+    kv_cache_bytes: int  # the pair's KV cache per GPU (vLLM's CPU KV space on the CPU)
+    smallest_tensor_parallel_size: int | None  # the fewest GPUs with the draft; None: none
+
+    @property
+    def layout(self) -> Layout:
+        return "SingleNode" if self.nodes == 1 else "MultiNode"
+
+
+def _heads_per_rank(kv_heads: int, ranks: int) -> int:
+    return max(1, kv_heads // ranks)
+
+
+def sharded_estimate(
+    model: ModelGeometry, tokens: int, ranks: int, *, cuda: bool = True
+) -> ModelEstimate:
+    """One GPU's share of a model split over ``ranks`` tensor-parallel ranks."""
+    whole = estimate(model, 0, cuda=cuda)
+    compute_bytes = dtype_bytes(model.dtype, cuda=cuda)
+    heads = _heads_per_rank(model.kv_heads, ranks)
+    kv_per_token = 2 * model.layers * heads * model.head_dim * compute_bytes
+    return ModelEstimate(
+        weights_bytes=math.ceil(whole.weights_bytes / ranks), kv_cache_bytes=kv_per_token * tokens
+    )
+
+
+def tensor_parallel_problem(model: ModelGeometry, ranks: int, role: str) -> str | None:
+    """Why ``model`` cannot be split over ``ranks`` ranks (vLLM splits whole KV heads)."""
+    if ranks < 1 or ranks > MAX_TENSOR_PARALLEL_SIZE:
+        return f"tensor-parallel size {ranks} is outside 1..{MAX_TENSOR_PARALLEL_SIZE}"
+    if model.kv_heads % ranks and ranks % model.kv_heads:
+        return (
+            f"the {role}'s {model.kv_heads} KV heads cannot be split over {ranks} GPUs: "
+            "one must divide the other"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class ParallelRequest:
+    """What vLLM's layout is planned from, besides the two geometries."""
+
+    tensor_parallel_size: int
+    draft_tensor_parallel_size: int
+    max_batch_size: int
+    max_model_length: int
+    device_bytes: int  # one GPU (CUDA) or the pod's memory (CPU)
+    headroom_fraction: float = 0.1
+    gpus_per_node: int | None = None  # None: unknown, the GPUs are taken to fit one node
+    speculative_tokens: int = 4
+    cuda: bool = True
+
+
+def _reserve(cuda: bool, *, draft: bool) -> int:
+    if not cuda:
+        return VLLM_CPU_PROCESS_BYTES + VLLM_CPU_ACTIVATION_BYTES
+    reserve = VLLM_CONTEXT_BYTES + VLLM_ACTIVATION_BYTES + VLLM_CUDA_GRAPH_BYTES
+    return reserve + (DRAFT_OVERHEAD_BYTES if draft else 0)
+
+
+def _per_gpu(
+    target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest, tp: int, draft_tp: int
+) -> tuple[ModelEstimate, ModelEstimate]:
+    # Each running sequence may hold its full length plus the drafted lookahead slots.
+    tokens = request.max_batch_size * (request.max_model_length + request.speculative_tokens)
+    return (
+        sharded_estimate(target, tokens, tp, cuda=request.cuda),
+        sharded_estimate(draft, tokens, draft_tp, cuda=request.cuda),
+    )
+
+
+def _usable(request: ParallelRequest) -> int:
+    return request.device_bytes - math.ceil(request.device_bytes * request.headroom_fraction)
+
+
+def _fits_with_draft(
+    target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest, tp: int
+) -> bool:
+    draft_tp = 1 if request.draft_tensor_parallel_size == 1 else tp
+    if tensor_parallel_problem(target, tp, "target") or tensor_parallel_problem(
+        draft, draft_tp, "draft"
+    ):
+        return False
+    t, d = _per_gpu(target, draft, request, tp, draft_tp)
+    need = t.total_bytes + d.total_bytes + _reserve(request.cuda, draft=True)
+    return need <= _usable(request)
+
+
+def smallest_tensor_parallel_size(
+    target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest
+) -> int | None:
+    """The fewest GPUs (a power of two) on which the pair fits with its draft; None: none."""
+    for tp in TENSOR_PARALLEL_SIZES:
+        if _fits_with_draft(target, draft, request, tp):
+            return tp
+    return None
+
+
+def _nodes(request: ParallelRequest) -> tuple[int, int, str | None]:
+    """(nodes, GPUs per pod, why the GPUs cannot be spread) for the request's TP."""
+    tp, per_node = request.tensor_parallel_size, request.gpus_per_node
+    if not request.cuda or per_node is None or tp <= per_node:
+        return 1, tp, None
+    if tp % per_node:
+        return (
+            -(-tp // per_node),
+            per_node,
+            f"{tp} GPUs cannot be spread evenly over nodes of {per_node} GPUs: "
+            f"tensor parallelism needs the same GPUs on every node (use a multiple of {per_node})",
+        )
+    return tp // per_node, per_node, None
+
+
+def _check(request: ParallelRequest) -> None:
+    if request.max_batch_size < 1 or request.max_model_length < 1 or request.device_bytes < 1:
+        raise ValueError("max_batch_size, max_model_length and device_bytes must be >= 1")
+    if not 0.0 <= request.headroom_fraction < 1.0:
+        raise ValueError(f"headroom_fraction must be in [0, 1), got {request.headroom_fraction}")
+
+
+def _fewest_gpus_hint(request: ParallelRequest, smallest: int | None) -> str:
+    """Where the pair would fit instead, for a reason that is not Colocated."""
+    if not request.cuda:
+        return ""
+    if smallest is None:
+        return f"; it does not fit with its draft on up to {MAX_TENSOR_PARALLEL_SIZE} such GPUs"
+    if smallest != request.tensor_parallel_size:
+        return f"; the pair fits with its draft on {smallest} GPUs (resources.gpus: {smallest})"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    mode: Mode
+    required_bytes: int
+    overhead_bytes: int
+    reason: str
+
+
+def _parallel_verdict(
+    request: ParallelRequest,
+    target_est: ModelEstimate,
+    draft_est: ModelEstimate,
+    problem: str | None,
+    hint: str,
+    split: str,
+) -> _Verdict:
+    """Which of the pair fits per GPU, and why, in words that name the bytes."""
+    usable = _usable(request)
+    reserve_only = _reserve(request.cuda, draft=False)
+    reserve_pair = _reserve(request.cuda, draft=True)
+    target_only = target_est.total_bytes + reserve_only
+    pair = target_est.total_bytes + draft_est.total_bytes + reserve_pair
+    where = "per GPU" if request.cuda else "in the pod"
+    budget = (
+        f"{gib(usable)} usable {where} ({gib(request.device_bytes)} less "
+        f"{request.headroom_fraction:.0%} headroom)"
+    )
+    if problem is not None:
+        return _Verdict("DoesNotFit", pair, reserve_pair, problem + hint)
+    if pair <= usable:
+        reason = f"target and draft fit with {split}: need {gib(pair)} of {budget}"
+        return _Verdict("Colocated", pair, reserve_pair, reason)
+    if target_only <= usable:
+        reason = (
+            f"draft needs {gib(pair - usable)} more with {split}: the pair needs {gib(pair)} "
+            f"but only {budget}; speculation is off{hint}"
+        )
+        return _Verdict("TargetOnly", target_only, reserve_only, reason)
+    reason = (
+        f"target needs {gib(target_only - usable)} more with {split}: it alone needs "
+        f"{gib(target_only)} but only {budget}{hint}"
+    )
+    return _Verdict("DoesNotFit", target_only, reserve_only, reason)
+
+
+def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest) -> Plan:
+    """vLLM's layout of the pair: per-GPU memory, tensor parallelism, nodes.
+
+    The plan's byte counts are per GPU. ``Colocated``: target and draft fit on
+    every GPU; ``TargetOnly``: only the target does (vLLM then serves without
+    speculation); ``DoesNotFit``: not even the target, or the GPUs cannot be
+    laid out. Pipeline parallelism is never planned: vLLM does not combine it
+    with speculative decoding, so a larger target takes more tensor-parallel
+    GPUs, across nodes where one node has too few.
+    """
+    tp = request.tensor_parallel_size
+    draft_tp = request.draft_tensor_parallel_size
+    _check(request)
+    target_est, draft_est = _per_gpu(target, draft, request, tp, draft_tp)
+    smallest = smallest_tensor_parallel_size(target, draft, request)
+    nodes, gpus_per_pod, spread_problem = _nodes(request)
+    layout = ParallelLayout(
+        tensor_parallel_size=tp,
+        draft_tensor_parallel_size=draft_tp,
+        nodes=nodes,
+        gpus_per_node=gpus_per_pod,
+        reserve_bytes=_reserve(request.cuda, draft=True),
+        gpu_memory_utilization=math.floor(_usable(request) / request.device_bytes * 1000) / 1000,
+        kv_cache_bytes=target_est.kv_cache_bytes + draft_est.kv_cache_bytes,
+        smallest_tensor_parallel_size=smallest,
+    )
+    problem = (
+        tensor_parallel_problem(target, tp, "target")
+        or tensor_parallel_problem(draft, draft_tp, "draft")
+        or spread_problem
+    )
+    split = f"TP {tp}" + (f" over {nodes} nodes of {gpus_per_pod} GPUs" if nodes > 1 else "")
+    hint = _fewest_gpus_hint(request, smallest)
+    verdict = _parallel_verdict(request, target_est, draft_est, problem, hint, split)
+    return Plan(
+        mode=verdict.mode,
+        required_bytes=verdict.required_bytes,
+        device_bytes=request.device_bytes,
+        headroom_bytes=request.device_bytes - verdict.required_bytes,
+        reason=verdict.reason,
+        target=target_est,
+        draft=draft_est,
+        overhead_bytes=verdict.overhead_bytes,
+        parallel=layout,
+    )

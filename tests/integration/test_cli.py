@@ -241,9 +241,16 @@ def test_bench_compares_modes_and_plots(pair_dirs: tuple[Path, Path], tmp_path: 
         "specpair k=2",
         "specpair default (adaptive<=4)",
         "specpair default (adaptive<=4), no prefix reuse",
+        "target-only, json schema",
+        "specpair default (adaptive<=4), json schema",
         "hf-assisted",
         "hf-assisted (onednn)",
     ]
+    # Under the grammar: identical to target-only under the same grammar, with a mask cost.
+    structured = modes["specpair default (adaptive<=4), json schema"]
+    assert structured["mask_ms_per_target_pass"] > 0 and structured["mask_us_per_position"] > 0
+    assert modes["target-only, json schema"]["vs_target_only"] == pytest.approx(1.0)
+    assert modes["target-only"]["mask_ms_per_target_pass"] is None
     for row in modes.values():
         assert row["identical_to_target_only"] is True, row["mode"]
         assert row["tokens"] > 0 and row["tokens_per_second"] > 0

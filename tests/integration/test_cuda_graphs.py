@@ -70,11 +70,10 @@ def cpu_engines(
     tok = pair.tokenizer
     eager = SpeculativeEngine(as_loaded(pair.target, tok, "t"), None, knobs, options=options)
     engine = SpeculativeEngine(
-        as_loaded(pair.target, tok, "t"),
-        as_loaded(pair.draft, tok, "d"),
+        as_loaded(pair.target, tok, "t", cpu_kernels="default"),
+        as_loaded(pair.draft, tok, "d", cpu_kernels="default"),
         knobs,
         options=options,
-        cpu_kernels="default",
     )
     assert engine.draft is not None
     return eager, engine, tok
@@ -197,12 +196,11 @@ def test_the_captured_step_is_one_graph_that_writes_only_static_inputs() -> None
     options = EngineOptions(max_slots=4, max_length=128)
 
     def engine(draft: bool) -> SpeculativeEngine:
-        return SpeculativeEngine(
-            as_loaded(pair.target, tok, "t"),
-            as_loaded(pair.draft, tok, "d") if draft else None,
+        return SpeculativeEngine(  # plain linears, as on CUDA
+            as_loaded(pair.target, tok, "t", cpu_kernels="default"),
+            as_loaded(pair.draft, tok, "d", cpu_kernels="default") if draft else None,
             FIXED,
             options=options,
-            cpu_kernels="default",  # plain linears, as on CUDA
         )
 
     expected = [r.token_ids for r in generate(engine(draft=False), prompts, GREEDY)]
@@ -256,11 +254,10 @@ def test_every_step_shape_stays_compiled(dynamic: bool | None) -> None:
     for depth in (1, 2, 4):
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
         engine = SpeculativeEngine(
-            as_loaded(pair.target, tok, "t"),
-            as_loaded(pair.draft, tok, "d"),
+            as_loaded(pair.target, tok, "t", cpu_kernels="default"),
+            as_loaded(pair.draft, tok, "d", cpu_kernels="default"),
             knobs,
             options=EngineOptions(max_slots=8, max_length=96),
-            cpu_kernels="default",
         )
         assert engine.draft is not None
         for runner in (engine.target, engine.draft):

@@ -6,11 +6,12 @@ import pytest
 import torch
 from tools.tiny_models import TinyPair, as_loaded, build_llama, build_pair
 
-from specpair_runtime.config import DEFAULT_DRAFT_CONFIDENCE, PrefillOrder, SpeculationKnobs
-from specpair_runtime.engine import speculative
+from specpair_runtime.config import DRAFT_CONFIDENCE, PrefillOrder, SpeculationKnobs
+from specpair_runtime.engine import drafter
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.budget import MIN_PREFILL_CHUNK, PREFILL_AGING
-from specpair_runtime.engine.depth import MIN_VERDICT_STEPS, PREFILL
+from specpair_runtime.engine.cost_model import MIN_VERDICT_STEPS
+from specpair_runtime.engine.depth import PREFILL
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.speculative import GenerationResult, SpeculativeEngine, generate
 
@@ -665,7 +666,7 @@ def test_the_stop_reads_the_product_of_the_drafts_probabilities(
     def sure_at(logits: torch.Tensor, tokens: torch.Tensor, *_: object) -> torch.Tensor:
         return torch.full(tokens.shape, 0.8)
 
-    monkeypatch.setattr(speculative, "draft_confidence", sure_at)
+    monkeypatch.setattr(drafter, "draft_confidence", sure_at)
     knobs = SpeculationKnobs(max_depth=6, min_depth=6, adaptive=False, draft_confidence=0.6)
     results = generate(_engine(pair, knobs), prompts, GREEDY)
     assert [r.token_ids for r in results] == alone
@@ -679,7 +680,7 @@ def test_the_default_stop_follows_the_measured_costs(
 ) -> None:
     """Unset on the CPU with adaptive depth, the threshold is the break-even acceptance."""
     engine = _engine(pair, SpeculationKnobs())
-    assert engine.confidence_threshold(4) == DEFAULT_DRAFT_CONFIDENCE["cpu"]  # unmeasured
+    assert engine.confidence_threshold(4) == DRAFT_CONFIDENCE.per_device["cpu"]  # unmeasured
     (result,) = generate(engine, prompts[:1], GREEDY)
     assert result.token_ids == alone[0]
     measured = engine.controller.cost.break_even_confidence(1, 4)

@@ -215,3 +215,15 @@ def test_after_the_drafts_storage_is_freed_only_the_targets_share_is_reused(
     assert result.token_ids == full_reads[1]
     assert result.stats.cached_prompt_tokens == common_prefix_length(prompts[0], prompts[1])
     assert result.stats.drafted_tokens > 0  # the draft read the whole prompt and drafted
+
+
+@pytest.mark.parametrize("depth", [None, 4])
+def test_copies_of_a_prompt_sent_together_read_it_once(
+    pair: TinyPair, prompts: list[list[int]], full_reads: list[list[int]], depth: int | None
+) -> None:
+    """n choices of one prompt: the first reads it, the others wait and copy its KV."""
+    engine = _engine(pair, depth)
+    results = generate(engine, [prompts[2]] * 3, GREEDY)
+    assert [r.token_ids for r in results] == [full_reads[2]] * 3
+    cached = sorted(r.stats.cached_prompt_tokens for r in results)
+    assert cached == [0, len(prompts[2]) - 2, len(prompts[2]) - 2]

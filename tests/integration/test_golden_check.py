@@ -33,7 +33,7 @@ from specpair_runtime.engine.golden_check import (
     run_golden,
     run_golden_with,
 )
-from specpair_runtime.engine.loading import LoadedModel
+from specpair_runtime.engine.loading import CpuKernels, LoadedModel
 from specpair_runtime.engine.oneshot import run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, check_pair
@@ -44,10 +44,10 @@ KNOBS = SpeculationKnobs(max_depth=3)
 PROMPT = "Hello, how can"
 
 
-def tiny_pair(seed: int = 0) -> LoadedPair:
+def tiny_pair(seed: int = 0, cpu_kernels: CpuKernels = "onednn") -> LoadedPair:
     tiny = build_pair("llama", seed)
-    target = as_loaded(tiny.target, tiny.tokenizer, "target")
-    draft = as_loaded(tiny.draft, tiny.tokenizer, "draft")
+    target = as_loaded(tiny.target, tiny.tokenizer, "target", cpu_kernels=cpu_kernels)
+    draft = as_loaded(tiny.draft, tiny.tokenizer, "draft", cpu_kernels=cpu_kernels)
     return LoadedPair(target, draft, check_pair(target, draft), KNOBS)
 
 
@@ -224,7 +224,9 @@ def on_cuda_bf16(pair: LoadedPair) -> LoadedPair:
     "place", [pytest.param(False, id="cpu"), pytest.param(True, id="cuda", marks=pytest.mark.cuda)]
 )
 def test_golden_tolerates_a_near_tie_flip_and_names_it(place: bool) -> None:
-    pair = on_cuda_bf16(tiny_pair()) if place else tiny_pair()
+    # Plain linears, so that a copy's weight can be nudged (and moved to CUDA).
+    plain = tiny_pair(cpu_kernels="default")
+    pair = on_cuda_bf16(plain) if place else plain
     prompt_ids = encode_prompt(pair.target.tokenizer, PROMPT)
     flipped, margin = flip_first_token(pair.target, prompt_ids)
     flipped_ids = greedy(target_only(flipped), prompt_ids, 10)

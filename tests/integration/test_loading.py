@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from specpair_runtime.config import ModelSpec, Quantization, SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams
+from specpair_runtime.engine.cpu.int4 import Int4Linear, can_quantize
 from specpair_runtime.engine.fused_projections import fuse_projections
-from specpair_runtime.engine.int4_linears import Int4Linear, can_quantize
 from specpair_runtime.engine.loading import (
     LoadError,
     load_model,

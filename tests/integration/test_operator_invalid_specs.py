@@ -131,7 +131,7 @@ def test_the_schema_refuses_at_apply(
         ),
         (pair("m0", resources__gpus=0, resources__memory="0"), "spec.resources.memory"),
         (pair("p64", target__size__parameters=2**63 - 1), "spec.target.size.parameters"),
-        (pair("gpus", resources__gpus=2), "spec.resources.gpus"),
+        (pair("gpus", resources__gpus=65), "spec.resources.gpus"),
         (pair("many", goldenPrompts=golden(65, 30)), "spec.goldenPrompts.inline"),
         (pair("long", goldenPrompts=golden(1, 4097)), "spec.goldenPrompts.inline.prompt"),
         (pair("step0", serving__maxStepTokens=0), "spec.serving.maxStepTokens"),
@@ -194,6 +194,8 @@ def test_what_v1_20_stores_the_operator_reports_once(
             pair("margin-ref", goldenPrompts={"configMapRef": {"name": "g"}, "nearTieMargin": 1}),
             "nearTieMargin applies to inline prompts only",
         ),
+        # More than one GPU is for engine vllm only: a CEL rule, which v1.20 drops.
+        (pair("gpus", resources__gpus=2), "spec.resources.gpus: resources.gpus must be 0 or 1"),
     ]
     for body, _ in cases:
         create(control_plane, ns, body)  # v1.20 stores every one of them

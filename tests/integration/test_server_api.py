@@ -103,8 +103,12 @@ def test_stream_chunks_concatenate_to_the_non_streaming_text(client: httpx.Clien
         chunks = stream_chunks(
             client,
             "/v1/completions",
-            {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
-        )
+            {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+             "stream_options": {"include_usage": True}},
+        )  # fmt: skip
+        usage_chunk = chunks.pop()
+        assert usage_chunk["choices"] == []
+        assert token_counts(usage_chunk["usage"]) == token_counts(whole["usage"])
         texts = [c["choices"][0]["text"] for c in chunks]
         # One chunk per accept step: never empty, except the closing chunk.
         assert all(texts[:-1]) and texts[-1] == ""
@@ -112,15 +116,15 @@ def test_stream_chunks_concatenate_to_the_non_streaming_text(client: httpx.Clien
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
         last = chunks[-1]
         assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
-        assert token_counts(last["usage"]) == token_counts(whole["usage"])
+        assert last["usage"] is None  # only the usage chunk counts the tokens
         assert last["speculation"]["drafted"] > 0
 
 
 def test_multi_token_commits_go_out_as_one_chunk(client: httpx.Client) -> None:
-    chunks = stream_chunks(
-        client, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
-    )
-    usage = chunks[-1]["usage"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    *chunks, usage_chunk = stream_chunks(client, "/v1/completions", body)
+    usage = usage_chunk["usage"]
     spec = chunks[-1]["speculation"]
     assert spec["accepted"] > 0, "the tiny draft should agree with the target sometimes"
     # Fewer chunks than tokens: accepted drafts were sent together with their step.
@@ -144,7 +148,13 @@ def test_chat_streaming_and_not(client: httpx.Client, pair: tuple[Path, Path]) -
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert streamed == message["content"]
     assert chunks[-1]["choices"][0]["finish_reason"] == payload["choices"][0]["finish_reason"]
-    assert token_counts(chunks[-1]["usage"]) == token_counts(payload["usage"])
+    assert all("usage" not in c for c in chunks)  # not asked for: OpenAI sends none
+    with_usage = stream_chunks(
+        client, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+    )
+    assert [c["usage"] for c in with_usage[:-1]] == [None] * (len(with_usage) - 1)
+    assert with_usage[-1]["choices"] == []
+    assert token_counts(with_usage[-1]["usage"]) == token_counts(payload["usage"])
 
 
 def test_stop_string_is_held_back_and_cut(client: httpx.Client) -> None:

@@ -77,11 +77,36 @@ def test_completion_logprobs_shape(client: httpx.Client) -> None:
     ):
         assert value <= 0.0 and math.isfinite(value)
         assert top[token] == value  # the chosen token leads its own alternatives
-        # Three alternatives plus the chosen one, keyed by text: byte tokens that each
-        # decode to U+FFFD share one key.
-        assert 1 <= len(top) <= 4
-        assert value == max(top.values())  # greedy: the chosen token is the most likely
-    assert max(len(top) for top in logprobs["top_logprobs"]) >= 3
+        # Greedy: the chosen token is the most likely, so it is one of the three.
+        assert len(top) == 3
+        assert value == max(top.values())
+
+
+def token_bytes(name: str) -> bytes:
+    """A token's bytes from its name: ``bytes:\\xe4`` (OpenAI's form) or its text."""
+    if name.startswith("bytes:"):
+        return bytes(int(code, 16) for code in name[len("bytes:") :].split("\\x")[1:])
+    return name.encode()
+
+
+def test_completion_logprobs_lose_no_alternative_and_rebuild_the_text(
+    client: httpx.Client,
+) -> None:
+    """Byte tokens (halves of CJK characters, emoji) have names of their own: none collide."""
+    payload = post(
+        client,
+        "/v1/completions",
+        {"prompt": "日本語 😀 héllo", "logprobs": 20, "max_tokens": 24, "ignore_eos": True},
+    )
+    logprobs = payload["choices"][0]["logprobs"]
+    assert all(len(top) == 20 for top in logprobs["top_logprobs"])
+    names = {name for top in logprobs["top_logprobs"] for name in top}
+    assert any(name.startswith("bytes:") for name in names), "the tiny model offers byte tokens"
+    data = b"".join(token_bytes(t) for t in logprobs["tokens"])
+    text = payload["choices"][0]["text"]
+    assert data.decode("utf-8", errors="replace") == text
+    # Offsets point into the text: at each token's first character.
+    assert all(0 <= o <= len(text) for o in logprobs["text_offset"])
 
 
 def test_chat_logprobs_shape(client: httpx.Client) -> None:
@@ -89,11 +114,31 @@ def test_chat_logprobs_shape(client: httpx.Client) -> None:
     content = payload["choices"][0]["logprobs"]["content"]
     assert len(content) == payload["usage"]["completion_tokens"]
     for entry in content:
-        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        assert entry["bytes"] == list(token_bytes(entry["token"]))
         assert len(entry["top_logprobs"]) == 2
         best = entry["top_logprobs"][0]
         assert (best["token"], best["logprob"]) == (entry["token"], entry["logprob"])
         assert entry["top_logprobs"][1]["logprob"] <= best["logprob"]
+
+
+def test_chat_bytes_are_the_tokens_real_bytes(client: httpx.Client) -> None:
+    """Part of a character is named by its bytes and carries them, never U+FFFD's."""
+    messages = [{"role": "user", "content": "日本語 😀 héllo"}]
+    body = {"messages": messages, "logprobs": True, "top_logprobs": 20, "max_tokens": 24}
+    payload = post(client, "/v1/chat/completions", body)
+    content = payload["choices"][0]["logprobs"]["content"]
+    everything = [*content, *(top for entry in content for top in entry["top_logprobs"])]
+    assert all(e["bytes"] == list(token_bytes(e["token"])) for e in everything)
+    assert all("\ufffd" not in e["token"] for e in everything)
+    partial = [e for e in everything if e["token"].startswith("bytes:")]
+    assert partial, "the tiny model offers byte tokens among its alternatives"
+    assert all(
+        bytes(e["bytes"]).decode(errors="ignore") != bytes(e["bytes"]).decode(errors="replace")
+        for e in partial
+    )
+    message = payload["choices"][0]["message"]["content"]
+    data = b"".join(bytes(entry["bytes"]) for entry in content)
+    assert data.decode(errors="replace").startswith(message)  # then EOS's text, if it ended
 
 
 def test_streamed_logprobs_equal_the_non_streamed(client: httpx.Client) -> None:
@@ -108,7 +153,8 @@ def test_streamed_logprobs_equal_the_non_streamed(client: httpx.Client) -> None:
     for chunk in chunks:
         choice = chunk["choices"][0]
         if choice["text"] and choice["logprobs"]:
-            assert "".join(choice["logprobs"]["tokens"]).endswith(choice["text"][-1:])
+            data = b"".join(token_bytes(t) for t in choice["logprobs"]["tokens"])
+            assert data.decode(errors="replace").endswith(choice["text"][-1:])
 
     chat_whole = post(client, "/v1/chat/completions", chat_body(logprobs=True))
     chat_chunks = stream(client, "/v1/chat/completions", chat_body(logprobs=True))

@@ -115,15 +115,14 @@ def test_text_content_parts_and_the_developer_role(client: openai.OpenAI) -> Non
     assert error.value.param is not None and error.value.param.startswith("messages[0].content")
 
 
-def test_zero_penalties_pass_and_others_are_refused_by_name(client: openai.OpenAI) -> None:
+def test_penalties_pass_and_out_of_range_ones_are_refused_by_name(client: openai.OpenAI) -> None:
     reply = chat(client, [{"role": "user", "content": "Hi"}],
-                 presence_penalty=0, frequency_penalty=0)  # fmt: skip
+                 presence_penalty=0.5, frequency_penalty=-0.5)  # fmt: skip
     assert reply.choices[0].finish_reason in ("length", "stop")
     for field in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(openai.BadRequestError) as error:
-            chat(client, [{"role": "user", "content": "Hi"}], **{field: 0.5})
+            chat(client, [{"role": "user", "content": "Hi"}], **{field: 2.5})
         assert error.value.param == field
-        assert "only 0 is supported" in str(error.value)
 
 
 def test_logprobs_parse_into_the_sdk_types(client: openai.OpenAI) -> None:

@@ -122,6 +122,9 @@ def test_deny_pattern_ends_with_content_filter(
             def batch_empty() -> None:
                 metrics = client.get("/metrics").text
                 assert metric_value(metrics, "specpair_requests_running") == 0
+                # Both requests counted by the reason their clients saw.
+                finished = "specpair_requests_finished_total"
+                assert metric_value(metrics, finished, finish_reason="content_filter") == 2
 
             # The filtered request left the batch.
             eventually(batch_empty)

@@ -1,11 +1,13 @@
 """End to end: speculative sampling keeps the target's processed distribution.
 
-Many seeded requests decode the same prompt in large batches. The first
-generated token is sampled at the end of the prompt's prefill; the next ones
-come out of one speculation step of depth 2 (accepted, recovered and bonus
-tokens all occur). The frequencies of the first and second tokens are compared
-with the target's processed distribution, computed independently with
-transformers' logits warpers. Chi-square, p > 0.01, fixed seeds.
+Many requests decode the same prompt in large batches. The first generated
+token is sampled at the end of the prompt's prefill; the next ones come out
+of one speculation step of depth 2 (accepted, recovered and bonus tokens all
+occur). The frequencies of the first and second tokens are compared with the
+target's processed distribution, computed independently with transformers'
+logits warpers. Chi-square, p > 0.01, fixed seeds. Seeded requests take the
+Gumbel-max coupling (``sampling.coupled_tokens``), one seed each; unseeded
+ones the rejection sampler, on torch's global generator.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ BATCH = 500
 # A draft-confidence threshold at which the tiny draft is sometimes sure, sometimes not.
 CUTS_SOME = 0.3
 PROMPT = "Thank you for your patience. Is there"
+UNSEEDED = -1  # a parameter's seed that asks for unseeded requests
 
 
 def _processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -57,6 +60,8 @@ def _p_value(samples: list[int], probs: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     ("params", "independent_draft", "draft_confidence"),
     [
+        # Unseeded: the rejection sampler (min(1, p/q), the residual, the bonus token).
+        (SamplingParams(max_new_tokens=4, temperature=1.0, seed=-1), False, 0.0),
         (SamplingParams(max_new_tokens=4, temperature=1.0), False, 0.0),
         (SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9), False, 0.0),
         (SamplingParams(max_new_tokens=4, temperature=1.5, top_k=8), False, 0.0),
@@ -64,7 +69,14 @@ def _p_value(samples: list[int], probs: torch.Tensor) -> float:
         # Rows stop drafting where the draft is unsure of its token (some after one).
         (SamplingParams(max_new_tokens=4, temperature=1.0), False, CUTS_SOME),
     ],
-    ids=["t1", "t0.7-top_p0.9", "t1.5-top_k8", "disagreeing-draft", "confidence-stop"],
+    ids=[
+        "unseeded-t1",
+        "t1",
+        "t0.7-top_p0.9",
+        "t1.5-top_k8",
+        "disagreeing-draft",
+        "confidence-stop",
+    ],
 )
 def test_first_tokens_follow_the_target_distribution(
     params: SamplingParams, independent_draft: bool, draft_confidence: float
@@ -91,7 +103,7 @@ def test_first_tokens_follow_the_target_distribution(
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=params.top_k,
-                seed=start + i,
+                seed=None if params.seed == UNSEEDED else start + i,
             )
             for i in range(BATCH)
         ]

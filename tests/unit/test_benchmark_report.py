@@ -7,9 +7,7 @@ import itertools
 from collections.abc import Callable
 
 import pytest
-from tools.tiny_models import as_loaded, build_pair
-
-from specpair_runtime.benchmark import (
+from bench.engine_harness import (
     TARGET_ONLY,
     BenchResult,
     BenchSettings,
@@ -20,6 +18,8 @@ from specpair_runtime.benchmark import (
     format_table,
     run_interleaved,
 )
+from tools.tiny_models import as_loaded, build_pair
+
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.oneshot import run_request

@@ -7,6 +7,7 @@ from collections import deque
 import pytest
 import torch
 
+from specpair_runtime.config import STEP_TOKENS_START
 from specpair_runtime.engine.budget import (
     GROWTH,
     MIN_PREFILL_CHUNK,
@@ -20,11 +21,9 @@ from specpair_runtime.engine.budget import (
     draft_catch_up,
     prefill_order,
 )
-from specpair_runtime.engine.options import (
-    DEFAULT_STEP_TOKENS_CPU,
-    IDLE_PREFILL_FACTOR,
-    EngineOptions,
-)
+from specpair_runtime.engine.options import IDLE_PREFILL_FACTOR, EngineOptions
+
+DEFAULT_STEP_TOKENS_CPU = STEP_TOKENS_START["cpu"]
 
 
 def test_a_configured_budget_is_fixed() -> None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_DOCS = [
@@ -24,6 +25,7 @@ CLUSTER_DOCS = [
     ROOT / "charts" / "specpair-operator" / "templates" / "NOTES.txt",
 ]
 PLAN_COMMAND = re.compile(r"python -m specpair_operator (plan [^`\n]*)")
+RENDER_COMMAND = re.compile(r"python -m specpair_operator (render [^`\n|]*)")
 
 
 def test_every_doc_upgrades_the_crd_before_the_chart() -> None:
@@ -33,12 +35,30 @@ def test_every_doc_upgrades_the_crd_before_the_chart() -> None:
         assert not re.search(r"\bafter `helm upgrade`", text, re.I), doc
 
 
-def documented_plan_commands() -> list[tuple[Path, str]]:
+def documented_plan_commands(pattern: re.Pattern[str] = PLAN_COMMAND) -> list[tuple[Path, str]]:
     found = []
     for doc in [*CLUSTER_DOCS, *sorted((ROOT / "crds" / "samples").glob("*.yaml"))]:
-        for match in PLAN_COMMAND.finditer(doc.read_text()):
+        for match in pattern.finditer(doc.read_text()):
             found.append((doc, match.group(1).strip()))
     return found
+
+
+@pytest.mark.parametrize(
+    ("doc", "command"), documented_plan_commands(RENDER_COMMAND), ids=lambda v: str(v)[-40:]
+)
+def test_documented_render_commands_run(doc: Path, command: str) -> None:
+    args = shlex.split(command)
+    done = subprocess.run(
+        [sys.executable, "-m", "specpair_operator", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"{doc}: `{command}`: {done.stderr}"
+    kinds = [d["kind"] for d in yaml.safe_load_all(done.stdout) if d]
+    assert kinds[:2] == ["ConfigMap", "Service"], kinds
+    assert kinds[2] in ("Deployment", "LeaderWorkerSet"), kinds
 
 
 @pytest.mark.parametrize(("doc", "command"), documented_plan_commands(), ids=lambda v: str(v)[-40:])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair_runtime.engine import cpu_kernels
-from specpair_runtime.engine.cpu_kernels import (
+from specpair_runtime.engine.cpu import onednn as cpu_kernels
+from specpair_runtime.engine.cpu.onednn import (
+    default_kernel_copy,
     onednn_available,
-    restore_default_linears,
     use_onednn_linears,
 )
 
@@ -65,16 +65,21 @@ def test_untied_plain_weights_are_released_and_tied_ones_kept() -> None:
     assert head.weight is embedding.weight and head.weight.shape == (10, 4)
     assert torch.allclose(got, expected, atol=1e-5)
     with pytest.raises(ValueError, match="keep_plain=True"):
-        restore_default_linears(model)
+        default_kernel_copy(model)
 
 
-def test_restoring_the_default_kernels_undoes_a_switch_that_kept_the_weights() -> None:
+def test_a_default_kernel_copy_shares_the_weights_of_a_switch_that_kept_them() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     assert use_onednn_linears(model, keep_plain=True) == 2
-    assert restore_default_linears(model) == 2
-    assert all("forward" not in vars(m) for m in model.modules())
-    assert restore_default_linears(model) == 0
-    assert use_onednn_linears(model, keep_plain=True) == 2  # and it can be switched again
+    twin = default_kernel_copy(model)
+    assert all("forward" not in vars(m) for m in twin.modules())
+    assert all("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    shared = {p.data_ptr() for p in model.parameters()}
+    assert {p.data_ptr() for p in twin.parameters()} == shared  # no weight copied
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        assert torch.allclose(twin(x), model(x), atol=1e-5)
+    assert use_onednn_linears(twin, keep_plain=True) == 2  # and it can be switched again
 
 
 def test_a_call_with_few_rows_runs_as_min_gemm_rows(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,7 +113,18 @@ def test_issue_11_bounds_are_in_the_schema() -> None:
     assert "self.metadata.name" in name_rule["rule"] and "63" in name_rule["rule"]
     spec = root["properties"]["spec"]["properties"]
     resources = spec["resources"]["properties"]
-    assert resources["gpus"]["maximum"] == 1 and "one GPU" in resources["gpus"]["description"]
+    # More than one GPU only with engine vllm: a CEL rule on spec, since a bound cannot
+    # depend on another field.
+    assert (
+        resources["gpus"]["maximum"] == api.MAX_GPUS
+        and "one GPU" in resources["gpus"]["description"]
+    )
+    gpus_rule = next(
+        r
+        for r in root["properties"]["spec"]["x-kubernetes-validations"]
+        if "resources.gpus <= 1" in r["rule"]
+    )
+    assert "engine == 'vllm'" in gpus_rule["rule"] and "engine: vllm" in gpus_rule["message"]
     for field in ("gpuMemory", "memory"):
         assert resources[field]["pattern"] == api.BYTES_PATTERN
     assert spec["target"]["properties"]["size"]["properties"]["parameters"]["maximum"] == 10**15

@@ -11,7 +11,7 @@ import torch
 from tools.tiny_models import as_loaded, build_gpt2, build_llama, build_qwen2, build_tokenizer
 from transformers import PreTrainedModel
 
-from specpair_runtime.engine.cpu_kernels import onednn_available, use_onednn_linears
+from specpair_runtime.engine.cpu.onednn import onednn_available, use_onednn_linears
 from specpair_runtime.engine.decoder import DecoderLoop
 from specpair_runtime.engine.fused_projections import fuse_projections
 from specpair_runtime.engine.kvcache import RowSpan
@@ -44,7 +44,10 @@ def runners(model: PreTrainedModel, kernels: str) -> tuple[ModelRunner, ModelRun
     if kernels == "onednn" and not onednn_available():
         pytest.skip("this torch build has no oneDNN linear")
     tok = build_tokenizer()
-    pair = [as_loaded(model, tok, "m"), as_loaded(copy.deepcopy(model), tok, "copy")]
+    pair = [
+        as_loaded(model, tok, "m", cpu_kernels="default"),
+        as_loaded(copy.deepcopy(model), tok, "copy", cpu_kernels="default"),
+    ]
     pair = [dataclasses.replace(loaded, dtype=model.dtype) for loaded in pair]
     if kernels == "onednn":
         for loaded in pair:

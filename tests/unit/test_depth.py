@@ -10,21 +10,23 @@ from specpair_runtime.config import (
     measured_draft_confidence,
     resolved_draft_confidence,
 )
-from specpair_runtime.engine.depth import (
-    EXPLORE_EVERY,
+from specpair_runtime.engine.cost_model import (
     FIRST_BACKOFF,
     MIN_VERDICT_STEPS,
-    PREFILL,
-    PROBE_TARGET_EVERY,
     TIMING_WINDOW,
-    AcceptanceFloor,
     CostModel,
-    DepthController,
-    StepPlan,
     VerifyLine,
-    batch_depth_cap,
     expected_tokens,
     theil_sen_slope,
+)
+from specpair_runtime.engine.depth import (
+    EXPLORE_EVERY,
+    PREFILL,
+    PROBE_TARGET_EVERY,
+    AcceptanceFloor,
+    DepthController,
+    StepPlan,
+    batch_depth_cap,
 )
 
 

@@ -9,7 +9,8 @@ import torch
 from tools.tiny_models import build_gpt2, build_llama, build_qwen2, build_tokenizer
 from transformers import PreTrainedModel
 
-from specpair_runtime.engine.cpu_kernels import onednn_available, use_onednn_linears
+from specpair_runtime.engine.cpu.int4 import quantize_int4_weights
+from specpair_runtime.engine.cpu.onednn import onednn_available, use_onednn_linears
 from specpair_runtime.engine.fused_projections import (
     FUSED_ATTENTION,
     FUSED_MLP,
@@ -17,7 +18,6 @@ from specpair_runtime.engine.fused_projections import (
     fuse_projections,
     fused_parts,
 )
-from specpair_runtime.engine.int4_linears import quantize_int4_weights
 
 IDS = torch.tensor([[5, 17, 33, 2, 9, 41, 8, 12]])
 

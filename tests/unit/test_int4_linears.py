@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpair_runtime.engine import int4_linears
-from specpair_runtime.engine.int4_linears import (
+from specpair_runtime.engine.cpu import int4 as int4_linears
+from specpair_runtime.engine.cpu.int4 import (
     GROUP_SIZE,
     INT4_MAX_ROWS,
     Int4Linear,

@@ -11,7 +11,7 @@ import pytest
 from tools.control_plane import Binaries
 
 from specpair_runtime.server.metrics import ServerMetrics
-from tests.support.helm_chart import CHART, find, render
+from tests.support.helm_chart import CHART, ROOT, find, render
 
 # Grafana's template variables, replaced by values PromQL accepts before parsing.
 GRAFANA_VARIABLES = {
@@ -21,11 +21,12 @@ GRAFANA_VARIABLES = {
     "$pair": ".*",
 }
 LABEL_VALUES = re.compile(r"^label_values\((.*),\s*\w+\)$")
-# The series names prometheus_client writes for one family of each type.
+# The series names prometheus_client writes for one family of each type (no
+# `_created` series: the runtime turns them off).
 SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_sum", "_count", "_created"),
-    "summary": ("", "_sum", "_count", "_created"),
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
     "gauge": ("",),
     "info": ("_info",),
 }
@@ -38,6 +39,9 @@ REQUIRED = {
     "ITL": "specpair_inter_token_latency_seconds_bucket",
     "fallbacks by reason": "specpair_fallback_total",
     "speculation on/off": "specpair_speculation_enabled",
+    "requests by finish_reason": "specpair_requests_finished_total",
+    "queue time": "specpair_request_queue_time_seconds_bucket",
+    "KV slot usage": "specpair_kv_slot_usage",
 }
 
 
@@ -101,6 +105,17 @@ def test_expansion_covers_histograms_and_counters() -> None:
     assert "specpair_draft_tokens_total" in exported
     assert "specpair_draft_tokens" not in exported  # a counter's bare name is no series
     assert "specpair_speculation_enabled" in exported
+    assert "specpair_draft_tokens_created" not in exported
+
+
+def test_no_created_series_are_rendered() -> None:
+    metrics = ServerMetrics("p", "v")
+    metrics.fallback("batch_size")
+    metrics.ttft.observe(0.1)
+    metrics.finished("stop")
+    text = metrics.render().decode()
+    assert "specpair_fallback_total" in text and "specpair_requests_finished_total" in text
+    assert "_created" not in text
 
 
 def test_dashboard_names_only_exported_metrics() -> None:
@@ -146,4 +161,24 @@ def test_dashboard_labels_exist_on_the_series() -> None:
             labels = {label.strip() for label in group.split(",")}
             # namespace comes from Prometheus' service discovery, le from histograms.
             allowed = {"namespace", "pair", "pair_version", "reason", "position", "kind", "le"}
+            allowed.add("finish_reason")
             assert labels <= allowed, query
+
+
+def vllm_mapping() -> dict[str, str]:
+    """docs/operations.md's table: specpair series name -> vLLM's, label sets dropped."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = re.findall(r"^\| `(specpair_[^`{]+)[^`]*` \| \w+ \| `(vllm:[^`{]+)[^`]*` \|", text, re.M)
+    return dict(rows)
+
+
+def test_the_vllm_mapping_is_one_to_one_over_exported_series() -> None:
+    mapping = vllm_mapping()
+    assert len(mapping) >= 15, mapping
+    assert len(set(mapping.values())) == len(mapping), "two specpair families map to one vLLM one"
+    exported = exported_series()
+    unknown = {name for name in mapping if not {name, f"{name}_bucket"} & exported}
+    assert not unknown, f"the table names series the runtime does not export: {unknown}"
+    # The families the issue names are in the table.
+    for name in ("requests_finished_total", "request_queue_time_seconds", "kv_slot_usage"):
+        assert f"specpair_{name}" in mapping

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from specpair_runtime.engine.prefix_reuse import (
+    MIN_AWAITED_PREFIX,
     Admission,
     SlotContents,
+    awaits_prefix,
     common_prefix_length,
     plan_admission,
 )
@@ -76,3 +78,16 @@ def test_bad_inputs_are_refused() -> None:
         plan_admission([1, 2], [], {}, {})
     with pytest.raises(ValueError, match="draft_len 3"):
         SlotContents((1, 2), 3)
+
+
+def test_a_prompt_waits_for_a_shared_prefix_that_a_running_request_is_reading() -> None:
+    prompt = list(range(40))
+    # Another request with the same first 30 tokens has read 4 of them.
+    assert awaits_prefix(prompt, 0, [([*range(30), 99], 4)])
+    # It has read them all, or nearly: take what is there.
+    assert not awaits_prefix(prompt, 0, [([*range(30), 99], 30)])
+    assert not awaits_prefix(prompt, 20, [([*range(30), 99], 4)])
+    # Too short a share to wait for; the last two prompt tokens never count.
+    assert not awaits_prefix(prompt, 0, [(list(range(MIN_AWAITED_PREFIX - 1)), 0)])
+    assert not awaits_prefix(list(range(MIN_AWAITED_PREFIX + 1)), 0, [(list(range(64)), 0)])
+    assert not awaits_prefix(prompt, 0, [])

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from tools.tiny_models import as_loaded, build_pair
@@ -14,13 +15,14 @@ from tools.tiny_models import as_loaded, build_pair
 from specpair_runtime.config import SpeculationKnobs
 from specpair_runtime.engine.api import SamplingParams, StepEvent
 from specpair_runtime.engine.speculative import SpeculativeEngine
+from specpair_runtime.server.choices import Choice
 from specpair_runtime.server.filters import build_filter
 from specpair_runtime.server.generation import Generation
 from specpair_runtime.server.memory import MemoryProbe
 from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.scheduler import QueueFull, Scheduler, Submission, Update
 from specpair_runtime.server.streaming import completion_chunks
-from tests.support.server_harness import metric_value
+from tests.support.server_harness import eventually, metric_value
 
 KNOBS = SpeculationKnobs(max_depth=3, adaptive=False, disable_above_batch_size=1)
 
@@ -76,6 +78,12 @@ def test_a_bad_request_fails_alone(scheduler: Scheduler) -> None:
     assert bad.updates[-1].error is not None and "top_p" in bad.updates[-1].error
     last = good.updates[-1].event
     assert last is not None and last.finish_reason in ("length", "stop")
+    metrics = scheduler.metrics.render().decode()
+    assert metric_value(metrics, "specpair_requests_finished_total", finish_reason="error") == 1
+    assert (
+        metric_value(metrics, "specpair_requests_finished_total", finish_reason=last.finish_reason)
+        == 1
+    )
 
 
 def test_queue_bound_abort_and_batch_size_pause(scheduler: Scheduler) -> None:
@@ -89,6 +97,12 @@ def test_queue_bound_abort_and_batch_size_pause(scheduler: Scheduler) -> None:
     while scheduler.running < 2:  # both admitted; c stays queued behind them
         assert time.monotonic() < deadline, "a and b were not admitted"
         time.sleep(0.01)
+
+    def both_slots_held() -> None:
+        text = scheduler.metrics.render().decode()
+        assert metric_value(text, "specpair_kv_slot_usage") == 1.0  # 2 of 2 slots
+
+    eventually(both_slots_held)
     scheduler.abort("c")  # still queued: dropped without reaching the engine
     scheduler.abort("a")
     assert first.done.wait(60)
@@ -102,6 +116,16 @@ def test_queue_bound_abort_and_batch_size_pause(scheduler: Scheduler) -> None:
     metrics = scheduler.metrics.render().decode()
     assert metric_value(metrics, "specpair_fallback_total", reason="batch_size") >= 1
     assert metric_value(metrics, "specpair_requests_running") == 0
+    assert metric_value(metrics, "specpair_kv_slot_usage") == 0
+    # Each request counted once, by how it ended: a and c aborted, b ran out or stopped.
+    finished = {
+        reason: metric_value(metrics, "specpair_requests_finished_total", finish_reason=reason)
+        for reason in ("stop", "length", "abort", "content_filter", "error")
+    }
+    assert finished["abort"] == 2 and finished["stop"] + finished["length"] == 1
+    assert finished["content_filter"] == finished["error"] == 0
+    # a and b waited for a slot; c left the queue without one.
+    assert metric_value(metrics, "specpair_request_queue_time_seconds_count") == 2
 
 
 def test_metrics_are_up_to_date_when_a_request_hears_it_finished(
@@ -173,21 +197,22 @@ def test_cached_prompt_tokens_are_counted_from_any_event() -> None:
 
 
 def test_usage_reports_the_reused_prompt_tokens(engine: SpeculativeEngine) -> None:
-    """The events' ``cached_prompt_tokens`` reach ``usage.prompt_tokens_details``, in
-    the last stream chunk and in the include_usage chunk alike."""
+    """The events' ``cached_prompt_tokens`` reach ``usage.prompt_tokens_details`` of the
+    include_usage chunk; the closing chunk carries no usage (it would count twice)."""
     # Never started: the test plays the engine thread and calls the request's sink.
     sched = Scheduler(
         engine, KNOBS, ServerMetrics("p", "v"), MemoryProbe("cpu"), max_batch_size=2, max_waiting=1
     )
 
-    async def stream() -> list[dict[str, object]]:
+    async def stream() -> list[dict[str, Any]]:
         generation = Generation(
             sched, build_filter(None), "r", [5, 6, 7, 8], SamplingParams(max_new_tokens=2), 0
         )
         sink = generation._submission.sink
         sink(Update(event=StepEvent("r", [9], "a", 0, 0, cached_prompt_tokens=3)))
         sink(Update(event=StepEvent("r", [10], "b", 0, 0, finished=True, finish_reason="length")))
-        chunks = [c async for c in completion_chunks(generation, "cmpl-r", 0, "tiny", True)]
+        choices = [Choice(0, 0, generation)]
+        chunks = [c async for c in completion_chunks(choices, "cmpl-r", 0, "tiny", True)]
         assert chunks[-1] == "[DONE]"
         return [json.loads(chunk) for chunk in chunks[:-1]]
 
@@ -198,5 +223,5 @@ def test_usage_reports_the_reused_prompt_tokens(engine: SpeculativeEngine) -> No
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 3},
     }
-    assert last["usage"] == expected
+    assert last["choices"][0]["finish_reason"] == "length" and last["usage"] is None
     assert usage_only["choices"] == [] and usage_only["usage"] == expected

@@ -80,6 +80,10 @@ listed (their IPs). No secrets.
 - apiGroups: [apps]
   resources: [replicasets]
   verbs: [list, watch]
+# engine vllm past one node: a LeaderWorkerSet (its CRD and controller come with LWS).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, update]
 # Does a Secret the pair names exist, with its key? Get by name only.
 - apiGroups: [""]
   resources: [secrets]

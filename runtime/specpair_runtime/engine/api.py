@@ -16,15 +16,60 @@ token, in vLLM's vocabulary).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from specpair_runtime.config import SpeculationKnobs
+
+if TYPE_CHECKING:
+    import torch
 
 # "error": this request alone failed inside the engine (e.g. non-finite
 # probabilities in its row); its batch-mates go on. `StepEvent.error` says why,
 # for the logs only: clients get a generic message.
 FinishReason = Literal["stop", "length", "content_filter", "abort", "error"]
+
+
+class LogitsProcessor(Protocol):
+    """One request's logits processing (``engine/logits_processors.py``); may keep state."""
+
+    def process(self, proposed: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """Processed logits [n, V] of n consecutive positions (the input may be changed).
+
+        The last row scores the token after the committed output plus all of
+        ``proposed``, so row ``i`` follows ``proposed[: len(proposed) - n + 1 + i]``
+        (``len(proposed) >= n - 1``): a verify of k drafts passes them with
+        ``n = k + 1`` (row ``i`` follows ``proposed[:i]``); draft forward ``j``
+        passes the row's ``j`` drafts so far with ``n = 1``.
+        """
+        ...
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The target committed ``tokens`` after the ones committed before."""
+        ...
+
+
+# Builds one request's processor (processors keep per-request state).
+LogitsProcessorFactory = Callable[[], LogitsProcessor]
+
+
+# What a request's ``seed`` guarantees (the server's API reference, docs/api.md).
+SEED_GUARANTEE = (
+    "A sampled request (temperature above 0) with a seed gets the same output every "
+    "time it is sent with the same prompt and sampling parameters, with the default "
+    "knobs too: whatever the speculation depth, the other requests in the batch, prefix "
+    "reuse and the server's timing. Each output token is the target's own Gumbel-max "
+    "sample of its processed distribution (temperature, top-k, top-p) under noise keyed "
+    "by the seed and the token's position, and the draft proposes with the same noise, "
+    "so the output is what the target alone gives with that seed and follows its "
+    "distribution exactly; a request with a smaller max_tokens gets a prefix of it. On "
+    'the CPU "the same" is token for token. On CUDA it holds up to floating-point '
+    "differences between batch shapes, which can change a token where two are nearly "
+    "tied, as for greedy output. Another pair version, dtype or device may give other "
+    "output. Greedy requests ignore the seed; sampled requests without one draw from "
+    "the server's shared random state and differ from run to run."
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +89,9 @@ class SamplingParams:
     # Log-probabilities of the committed tokens (``engine/logprobs.py``): None = off,
     # 0 = the chosen token's only, n = also the n most likely tokens at each position.
     logprobs: int | None = None
+    # Per-request logits processing (``engine/logits_processors.py``): each factory
+    # builds one processor for the request, applied to draft and target logits alike.
+    logits_processors: tuple[LogitsProcessorFactory, ...] = ()
 
     @property
     def greedy(self) -> bool:

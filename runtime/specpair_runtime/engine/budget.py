@@ -22,9 +22,9 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   the draft catches up on the same tokens a step later, from a budget of the
   same size, so a budget token costs one target token plus one draft token,
   and that is what the line measures. (Counting both models' tokens as one
-  diluted the per-token cost by the cheap draft tokens, and the draft's
-  catch-up then came on top of the budget: steps with chunks took 1.4-1.9x a
-  pure step on the 1.5B pair instead of 1.25x.) A step with only a draft
+  would dilute the per-token cost by the cheap draft tokens, with the draft's
+  catch-up on top of the budget: steps with chunks of 1.4-1.9x a pure step
+  on the 1.5B pair instead of 1.25x.) A step with only a draft
   catch-up is neither pure nor a sample. A catch-up counts wherever it rides,
   also in a decoding row that reads the tokens its draft missed before it
   drafts (``draft_catch_up``), as the row whose prefill just ended does.
@@ -38,14 +38,15 @@ Sarathi-Serve sizes its chunks to a latency target, but online:
   takes more than half the allowance, the chunk's own tokens still get half
   of it (``STEP_ALLOWANCE / 2 * pure / per_token``): every mixed step pays the
   fixed part whatever its size, and the chunk adds a bounded share on top.
-  (Taking prompts in as few steps as possible instead grew the budget to the
-  ceiling on the 1.5B pair on 2 AMD vCPUs, where a misread fixed part came
-  from a step whose draft caught up on 69 tokens beside a 5-token chunk:
-  2.4-3.2 s steps beside 0.6 s pure ones, p99 ITL 3.5-4.7x one stream's.)
-  Where a chunk's tokens cost next to nothing, that is still the ceiling; the
-  tiny pair in the server (a 100-token chunk adds a few ms to a 4 ms step) now
-  takes smaller chunks too: its 8-stream p99 ITL fell, its time to first
-  token rose (docs/benchmarks-history.md, stop 27).
+  (Taking prompts in as few steps as possible instead grows the budget to
+  the ceiling wherever the fixed part is misread, as from a step whose draft
+  caught up on 69 tokens beside a 5-token chunk: on the 1.5B pair on 2 AMD
+  vCPUs, 2.4-3.2 s steps beside 0.6 s pure ones, p99 ITL 3.5-4.7x one
+  stream's.)
+  Where a chunk's tokens cost next to nothing, that is still the ceiling;
+  where a chunk has a fixed cost (the tiny pair in the server: a 100-token
+  chunk adds a few ms to a 4 ms step), the chunks stay small, which keeps
+  its 8-stream p99 ITL low at some cost in time to first token.
   The budget grows at most ``GROWTH``
   times per step, so a larger chunk is probed before it is trusted, and stays
   within [``MIN_PREFILL_CHUNK``, ``ceiling``].
@@ -56,8 +57,8 @@ mixed step has been timed, prompt work beside decoding rows takes only the
 floor (``chunk_room``): the start value is a guess, not a measurement. On
 the 1.5B pair its 23-27 prompt tokens beside 1-4 decoding rows made the
 first mixed step of an 8-stream level take 0.87-1.45 s, against 0.5-0.9 s
-for the ten steps after it: up to three of the level's ten longest gaps
-(docs/benchmarks-history.md, stops 30 and 31). A key never seen plain leaves the
+for the ten steps after it: up to three of the level's ten longest gaps.
+A key never seen plain leaves the
 budget unmeasured, and such steps then keep to the floor: slower prompts,
 never a stall for the running streams.
 """
@@ -70,7 +71,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from specpair_runtime.engine.depth import TIMING_WINDOW
+from specpair_runtime.engine.cost_model import TIMING_WINDOW
 
 # A step that carries prompt chunks may take this much longer than a pure decode step.
 STEP_ALLOWANCE = 0.25
@@ -170,8 +171,8 @@ class StepBudget:
 
         At 8 streams with long prompts arriving nearly every step carries prompt
         work, so the exact shape is rare, and the nearest row count on record
-        can be far: 7-row steps on the 1.5B pair were compared with the
-        single stream's 1-row steps (docs/benchmarks-history.md, stop 28).
+        can be far: the nearest alone compared 7-row steps on the 1.5B pair
+        with a single stream's 1-row steps.
         """
         exact = self.pure.get((decoding_rows, depth))
         if exact is not None:
@@ -213,16 +214,16 @@ def prefill_order(pending: Sequence[int], waited: Sequence[int]) -> list[int]:
     """The order in which prefilling requests get prompt chunks: indices into ``pending``.
 
     Shortest remaining prompt first, the order that minimizes the mean time to
-    first token: first come, first served made a 20-token prompt wait behind
+    first token: first come, first served makes a 20-token prompt wait behind
     every 600-token one that arrived before it (its first token 12-22 s late
-    at 8 streams on the 1.5B pair; docs/benchmarks-history.md, stop 32). With aging:
+    at 8 streams on the 1.5B pair). With aging:
     each step a request has waited since its admission (``waited``) lowers its
     key by ``PREFILL_AGING``, so later, shorter prompts pass a prompt for at
     most ``pending / PREFILL_AGING`` steps, and none waits forever. The aging
-    must stay well below the tokens a step reads: at the 8-token floor per
-    step, every long prompt of a busy server soon outranked every new short
-    one, and short prompts waited 14-44 s again (stop 32). Equal keys keep
-    their order (admission order).
+    must stay well below the tokens a step reads: aged by the 8-token floor
+    per step, every long prompt of a busy server soon outranks every new
+    short one, and short prompts wait 14-44 s again. Equal keys keep their
+    order (admission order).
     """
     keys = [p - w * PREFILL_AGING for p, w in zip(pending, waited, strict=True)]
     return sorted(range(len(keys)), key=keys.__getitem__)
@@ -235,9 +236,9 @@ def draft_catch_up(fed: int, drafts: bool) -> int:
     ``STEADY_DRAFT_FEED`` is catch-up too: the row whose prefill just ended
     reads its last chunk (15-21 tokens on the 1.5B pair at 8 streams), and a
     row after steps that did not draft reads what they committed. Taken for a
-    pure decode step, such a step set the 8-row reference 30 % high (0.69 s
-    against 0.49-0.53 s), and every chunk then looked cheap: budgets of 22-35
-    tokens and steps with prompt work of 0.80-1.11 s (docs/benchmarks-history.md, stop 30).
+    pure decode step, such a step sets the 8-row reference 30 % high (0.69 s
+    against 0.49-0.53 s), and every chunk then looks cheap: budgets of 22-35
+    tokens and steps with prompt work of 0.80-1.11 s.
     """
     return fed if not drafts else max(fed - STEADY_DRAFT_FEED, 0)
 

@@ -3,7 +3,7 @@
 transformers' model forward wraps every layer and attention call in
 decorators, keyword plumbing and mask preparation that a flat ragged step
 never needs; on the 0.5B draft of ``make bench`` that was about a tenth of a
-1-token forward on a 2-core CPU (docs/benchmarks-history.md, stop 33).
+1-token forward on a 2-core CPU.
 This loop runs the same operations in the same order as the model's own
 forward, so its output is the same bits over the same cache
 (``test_decoder.py`` checks it), and it calls the fused q/k/v and gate/up
@@ -16,7 +16,7 @@ caches hold weights, not the dispatcher's code and data: on 2 AMD EPYC
 vCPUs the first small op after an 8960 -> 1536 GEMM took 27 us against 3 us,
 and an RMSNorm 73 us against 19 us. The 1.5B target spent about 17 ms of a
 245 ms 1-token forward in norms, rotary, KV writes and attention, and the
-int4 0.5B draft about 6 of 24 ms. So (``docs/benchmarks-history.md``, stop 39):
+int4 0.5B draft about 6 of 24 ms. So:
 
 - RMSNorm is the modeling file's arithmetic written out, without the module
   call and the casts that are no-ops in the model's dtype;

@@ -6,8 +6,7 @@ their weights along the output features turns five GEMM calls into two. Each
 output column still comes from its own weight row, so the results are the
 same bits as the separate calls (``test_fused_projections.py`` checks it on
 the oneDNN and int4 paths); only the per-call overhead goes, which on a
-2-core CPU is most of what a small draft's narrow k and v projections cost
-(docs/benchmarks-history.md, stop 33).
+2-core CPU is most of what a small draft's narrow k and v projections cost.
 
 ``fuse_projections`` runs once, at load time, before the draft is quantized
 and before the target's linears are prepacked, so those steps see one plain

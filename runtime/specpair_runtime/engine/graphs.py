@@ -32,15 +32,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from specpair_runtime.engine.attention import model_attention
-from specpair_runtime.engine.kvcache import DenseRows, FlatBatch, RowSpan, SlotCache
+from specpair_runtime.engine.kvcache import DenseRows, FlatBatch, KVStorage, RowSpan, SlotCache
 
-if TYPE_CHECKING:
-    from specpair_runtime.engine.runner import ModelRunner
+
+class GraphModel(Protocol):
+    """What a graph step needs of its model's runner (``runner.ModelRunner``)."""
+
+    model: Any
+    device: torch.device
+    slots: int
+    embedding_rows: int
+    head: Any
+
+    def allocate(self) -> KVStorage: ...
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor: ...
+
 
 MAX_GRAPH_TOKENS_PER_ROW = 17  # verify of depth 16 (the knob's maximum) + 1
 # torch.compile's automatic dynamic shapes: the first shape compiles static, the
@@ -149,7 +161,7 @@ class GraphStep:
     (minutes of compiles) instead of capturing the eager step (seconds).
     """
 
-    def __init__(self, runner: ModelRunner, *, compile: bool = False) -> None:
+    def __init__(self, runner: GraphModel, *, compile: bool = False) -> None:
         self.runner = runner
         self.compiles = compile
         self._recorded: dict[tuple[int, int], _Recorded] = {}

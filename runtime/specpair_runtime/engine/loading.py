@@ -7,6 +7,12 @@ take that path, they run offline). Local sources are always loaded with
 ``local_files_only`` so that loading never touches a network. A model read
 from GGUF also ends on the special tokens that llama.cpp ends on
 (``end_of_generation.py``): the file names only one EOS.
+
+The loader also makes the one-time rewrites that the engine runs on
+(``prepare_model``): fused projections on every device, and on the CPU the
+draft's quantization and the prepacked oneDNN linears (``engine/cpu/``,
+imported only there). Engines built over the loaded models share them as
+they are, so a benchmark or a golden check can build several.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,11 +29,12 @@ import torch
 from specpair_runtime.config import Dtype, ModelSpec, Quantization
 from specpair_runtime.engine.end_of_generation import add_end_of_generation
 from specpair_runtime.engine.fused_projections import fuse_projections
-from specpair_runtime.engine.int4_linears import quantize_int4_weights
 
 log = logging.getLogger(__name__)
 
 Role = Literal["target", "draft"]
+# The CPU's linears: prepacked oneDNN (the engine's), or PyTorch's default (as on CUDA).
+CpuKernels = Literal["onednn", "default"]
 
 PVC_ROOT_ENV = "SPECPAIR_PVC_ROOT"
 DEFAULT_PVC_ROOT = "/models"
@@ -109,13 +115,19 @@ def parse_hf_source(source: str, revision: str | None) -> tuple[str, str | None]
     return repo_id, url_revision or revision
 
 
-def download_hf(source: str, revision: str | None, gguf_file: str | None) -> Path:
-    """Download an hf:// model with huggingface_hub (token from $HF_TOKEN)."""
+def download_hf(
+    source: str, revision: str | None, gguf_file: str | None, allow: list[str] | None = None
+) -> Path:
+    """Download an hf:// model with huggingface_hub (token from $HF_TOKEN).
+
+    ``allow`` limits the download to matching files (the gate sidecar needs
+    only the tokenizer's).
+    """
     from huggingface_hub import snapshot_download
 
     repo_id, rev = parse_hf_source(source, revision)
     # A GGUF repo holds many quantizations; fetch only the one asked for.
-    allow = [gguf_file] if gguf_file else None
+    allow = [gguf_file] if gguf_file else allow
     log.info("downloading %s (revision %s)", repo_id, rev or "default")
     try:
         path = snapshot_download(
@@ -171,21 +183,28 @@ def resolve_source(spec: ModelSpec) -> ResolvedSource:
     return locate(Path(source).expanduser(), spec.gguf_file, source)
 
 
-def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
-    """Dynamic int8 quantization of every nn.Linear (weights int8, activations per call).
+def prepare_model(
+    model: Any,
+    device: torch.device,
+    quantization: Quantization = "none",
+    *,
+    cpu_kernels: CpuKernels = "onednn",
+    keep_plain: bool = False,
+) -> Any:
+    """The one-time rewrites the engine runs on; returns the model to use.
 
-    On a matmul-bound CPU forward this cuts the Linear time about 3-4x. torch
-    marks the eager quantization API deprecated (torchao replaces it) but 2.13
-    still ships it; silence the warning instead of adding a dependency.
+    Fused q/k/v and gate/up projections first, so that quantizing and
+    prepacking see one linear per fused projection; then, on the CPU only,
+    the backend's quantization and kernels (``engine/cpu/prepare.py``).
+    ``keep_plain`` keeps the plain fp32 weights beside the packed ones (the
+    benchmark's stock-kernel baseline). Applying it twice is harmless.
     """
-    from torch.ao import quantization
+    fuse_projections(model)
+    if device.type != "cpu":
+        return model
+    from specpair_runtime.engine.cpu.prepare import prepare_cpu_model
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantized: torch.nn.Module = quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
-            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
-        )
-    return quantized
+    return prepare_cpu_model(model, quantization, kernels=cpu_kernels, keep_plain=keep_plain)
 
 
 def _load_tokenizer(resolved: ResolvedSource, source: str) -> Any:
@@ -223,8 +242,13 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> LoadedModel:
-    """Load one model of the pair onto ``device`` (default: CUDA if present, else CPU)."""
+def load_model(
+    spec: ModelSpec, role: Role, device: str | None = None, *, keep_plain: bool = False
+) -> LoadedModel:
+    """Load one model of the pair onto ``device`` (default: CUDA if present, else CPU).
+
+    ``keep_plain``: see ``prepare_model``.
+    """
     if role == "target" and spec.quantization != "none":
         raise LoadError(
             f"target.quantization must be 'none', got {spec.quantization!r}: only the draft "
@@ -251,12 +275,7 @@ def load_model(spec: ModelSpec, role: Role, device: str | None = None) -> Loaded
     model.eval()
     model.requires_grad_(False)
     model.to(torch_device)
-    # Before quantizing and prepacking, so those see one Linear per fused projection.
-    fuse_projections(model)
-    if spec.quantization == "int8-dynamic":
-        model = quantize_int8_dynamic(model)
-    elif spec.quantization == "int4-weight":
-        quantize_int4_weights(model)
+    model = prepare_model(model, torch_device, spec.quantization, keep_plain=keep_plain)
     name = resolved.gguf_file or resolved.directory.name
     log.info(
         "loaded %s %s (%s, %s%s) in %.1fs",

@@ -1,4 +1,8 @@
-"""Engine sizing and serving options (how big the KV storage is, the per-step token budget)."""
+"""Engine sizing and serving options (how big the KV storage is, the per-step token budget).
+
+The defaults are the serving options' own (``specpair_runtime.config``), so a
+default engine is sized as a default server.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,19 @@ from dataclasses import dataclass
 
 import torch
 
-from specpair_runtime.config import PrefillOrder, ServingOptions
+from specpair_runtime.config import (
+    CUDA_GRAPH_COMPILE,
+    CUDA_GRAPHS,
+    MAX_BATCH_SIZE,
+    MAX_MODEL_LENGTH,
+    MAX_STEP_TOKENS,
+    PREFILL_ORDER,
+    PREFIX_REUSE,
+    PrefillOrder,
+    ServingOptions,
+)
 from specpair_runtime.engine.budget import StepBudget
 
-# Where the per-step token budget starts when none is configured (it is then
-# measured, see budget.py). On the CPU one prefill token of a 1.5B model costs
-# about as much as one decode row; a GPU is memory-bound far longer (vLLM's
-# default for chunked prefill).
-DEFAULT_STEP_TOKENS_CPU = 32
-DEFAULT_STEP_TOKENS_CUDA = 2048
 # With no stream decoding, nobody waits on the step: prompts may take this
 # many budgets at once (fewer, larger chunks cost less in total). It is also
 # the ceiling of a measured budget.
@@ -28,8 +36,8 @@ class EngineOptions:
     max_slots: requests decoded at once (one KV slot each); more wait.
     max_length: prompt + output tokens per request (positions per slot).
     max_step_tokens: tokens per step over all rows (chunked prefill budget);
-        None measures it (``budget.py``), starting from
-        ``DEFAULT_STEP_TOKENS_CPU`` / ``..._CUDA`` by device.
+        None measures it (``budget.py``), starting from the device's
+        ``MAX_STEP_TOKENS`` default.
     cuda_graphs: on CUDA, replay uniform decode/verify steps as recorded CUDA
         graphs (``graphs.py``). Ignored on the CPU.
     cuda_graph_compile: record ``torch.compile(mode="reduce-overhead")``'s
@@ -41,13 +49,13 @@ class EngineOptions:
         the whole prompt.
     """
 
-    max_slots: int = 8
-    max_length: int = 2048
+    max_slots: int = MAX_BATCH_SIZE.default
+    max_length: int = MAX_MODEL_LENGTH.default
     max_step_tokens: int | None = None
-    cuda_graphs: bool = True
-    cuda_graph_compile: bool = False
-    prefill_order: PrefillOrder = "shortest-first"
-    prefix_reuse: bool = True
+    cuda_graphs: bool = CUDA_GRAPHS.default
+    cuda_graph_compile: bool = CUDA_GRAPH_COMPILE.default
+    prefill_order: PrefillOrder = PREFILL_ORDER.default
+    prefix_reuse: bool = PREFIX_REUSE.default
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -59,11 +67,10 @@ class EngineOptions:
 
     def step_budget(self, device: torch.device) -> StepBudget:
         """The configured budget (fixed), or a measured one starting at the device default."""
-        if self.max_step_tokens is not None:
-            ceiling = self.max_step_tokens * IDLE_PREFILL_FACTOR
-            return StepBudget(self.max_step_tokens, ceiling, fixed=True)
-        start = DEFAULT_STEP_TOKENS_CUDA if device.type == "cuda" else DEFAULT_STEP_TOKENS_CPU
-        return StepBudget(start, start * IDLE_PREFILL_FACTOR)
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        tokens = int(MAX_STEP_TOKENS.for_device(self.max_step_tokens, kind))
+        ceiling = tokens * IDLE_PREFILL_FACTOR
+        return StepBudget(tokens, ceiling, fixed=self.max_step_tokens is not None)
 
     @staticmethod
     def from_serving(serving: ServingOptions) -> EngineOptions:

@@ -74,13 +74,19 @@ def load_pair(
     knobs: SpeculationKnobs,
     device: str | None = None,
     options: EngineOptions | None = None,
+    *,
+    keep_plain: bool = False,
 ) -> LoadedPair:
-    """Load both models on one device (never split: moving activations erases the gain)."""
-    target = load_model(target_spec, "target", device)
+    """Load both models on one device (never split: moving activations erases the gain).
+
+    ``keep_plain``: keep the plain fp32 weights beside the CPU's packed ones
+    (``loading.prepare_model``), for a benchmark's stock-kernel baseline.
+    """
+    target = load_model(target_spec, "target", device, keep_plain=keep_plain)
     draft = None
     alignment = None
     if draft_spec is not None:
-        draft = load_model(draft_spec, "draft", str(target.device))
+        draft = load_model(draft_spec, "draft", str(target.device), keep_plain=keep_plain)
         alignment = check_pair(target, draft)
         for problem in alignment.problems:
             log.warning("alignment: %s", problem)

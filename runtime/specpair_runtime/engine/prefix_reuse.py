@@ -17,6 +17,11 @@ of hashed blocks.
   into the free slot that holds the fewest tokens, so a slot holding a
   longer conversation is kept for its next turn. One copy per model per
   admission, never one per step.
+- A request waits (``awaits_prefix``) while a running request is still
+  reading at least ``MIN_AWAITED_PREFIX`` more tokens of a prefix they share
+  than any slot holds now: the ``n`` choices of one prompt, or the same
+  prompt sent twice at once, read it once, the others start past it as soon
+  as it is in the cache, instead of each reading it beside the first.
 - At most ``len(prompt) - 2`` tokens are reused. The last prompt token is
   always computed, since its logits give the first output token, and it
   enters in a prompt chunk of at least two tokens, as without reuse: with
@@ -67,6 +72,29 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         length += 1
     return length
+
+
+# Shared prompt tokens still being read elsewhere that make a new request wait for them.
+MIN_AWAITED_PREFIX = 16
+
+
+def awaits_prefix(
+    prompt: Sequence[int],
+    available: int,
+    reading: Sequence[tuple[Sequence[int], int]],
+) -> bool:
+    """Whether a new request should wait for a prefix that a running request is reading.
+
+    ``available``: the prefix the request could reuse now (``plan_admission``'s
+    ``reused``). ``reading``: each running request's prompt and the tokens of
+    it whose KV it has computed.
+    """
+    limit = max(len(prompt) - 2, 0)
+    for other, computed in reading:
+        shared = min(common_prefix_length(prompt, other), limit)
+        if computed < shared and shared - available >= MIN_AWAITED_PREFIX:
+            return True
+    return False
 
 
 def _match(prompt: Sequence[int], contents: SlotContents, limit: int) -> tuple[int, int]:

@@ -83,6 +83,33 @@ def error_response(
     return response
 
 
+# pydantic's type errors, by what the field expects (in JSON's words).
+EXPECTED_TYPES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words (``2.0`` is a decimal number)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
 def _loc(error: dict[str, object]) -> tuple[int | str, ...]:
     loc = error.get("loc", ())
     return tuple(loc) if isinstance(loc, (tuple, list)) else ()
@@ -104,6 +131,23 @@ def _first_problem(errors: list[dict[str, object]]) -> dict[str, object]:
     return max(deeper, key=lambda e: len(_loc(e))) if deeper else first
 
 
+def _type_mismatch(errors: list[dict[str, object]], path: str, given: object) -> str:
+    """Say "expected an integer, got a string"; a union's branches are joined by "or"."""
+    expected: list[str] = []
+    for error in errors:
+        kind = str(error.get("type", ""))
+        same_field = kind in EXPECTED_TYPES and field_path(_loc(error)) == path
+        if same_field and EXPECTED_TYPES[kind] not in expected:
+            expected.append(EXPECTED_TYPES[kind])
+    return f"expected {' or '.join(expected)}, got {json_kind(given)}"
+
+
+def _other_fields(errors: list[dict[str, object]], path: str) -> int:
+    """Fields with problems besides ``path``; a union's failed branches are one problem."""
+    paths = {field_path(_loc(error)) for error in errors}
+    return len({other for other in paths if other != path and not path.startswith(other)})
+
+
 def describe_request_errors(errors: list[dict[str, object]]) -> tuple[str, str | None]:
     """The first validation problem as (message naming the field, field path)."""
     first = _first_problem(errors)
@@ -122,9 +166,11 @@ def describe_request_errors(errors: list[dict[str, object]]) -> tuple[str, str |
         message = "unknown field"
     elif kind == "missing":
         message = "field required"
+    elif kind in EXPECTED_TYPES:
+        message = _type_mismatch(errors, path, first.get("input"))
     else:
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    more = len(errors) - 1
+    more = _other_fields(errors, path)
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
     return (f"{path}: {message}{suffix}" if path else f"{message}{suffix}"), path or None
 

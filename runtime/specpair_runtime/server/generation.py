@@ -96,10 +96,10 @@ class Generation:
         """Queue the request now (raises QueueFull), before any response starts."""
         self.scheduler.submit(self._submission)
 
-    def abort(self) -> None:
+    def abort(self, reason: FinishReason = "abort") -> None:
         if not self._finished:
             self._finished = True
-            self.scheduler.abort(self.request_id)
+            self.scheduler.abort(self.request_id, reason)
 
     @property
     def usage(self) -> Usage:
@@ -144,7 +144,7 @@ class Generation:
                         log.info(
                             "request %s stopped by the output filter: %s", self.request_id, refusal
                         )
-                        self.abort()
+                        self.abort("content_filter")
                         yield Chunk("", "content_filter")
                         return
                     self.released += text

@@ -1,18 +1,22 @@
 """OpenAI's ``logprobs`` shapes, built from the engine's ``TokenLogprob`` entries.
 
-Each token is shown as its own decoded text (``tokenizer.decode([id])``), as
-vLLM does: a token that holds part of a multi-byte character reads as U+FFFD,
-and ``bytes`` then holds that replacement character's UTF-8. A log-probability
-of minus infinity (a token that the model rules out) is sent as -9999.0, as
-OpenAI and vLLM do, since JSON has no infinity.
+Each token is named and carries its bytes as ``token_pieces.py`` reads them:
+a token that holds part of a multi-byte character is ``bytes:\\xe4`` with
+its real bytes, so a client can rebuild the character. The completions
+shape maps token name to log-probability; two different tokens that share a
+name (say ``A`` and the byte-fallback ``<0x41>``, or ids beyond the
+tokenizer's vocabulary) would collide there, so every one after the first is
+keyed ``token_id:ID`` (vLLM's spelling of a token as its id) and no
+alternative is lost. A log-probability of minus infinity (a token the model
+rules out) is sent as -9999.0, as OpenAI and vLLM do, since JSON has no
+infinity.
 """
 
 from __future__ import annotations
 
-import functools
+import codecs
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from specpair_runtime.engine.api import TokenLogprob
 from specpair_runtime.server.schemas import (
@@ -21,69 +25,72 @@ from specpair_runtime.server.schemas import (
     CompletionLogprobs,
     TopLogprob,
 )
+from specpair_runtime.server.token_pieces import TokenPieces
 
 # What JSON gets for a log-probability of minus infinity.
 LOGPROB_FLOOR = -9999.0
-
-TokenText = Callable[[int], str]
-
-
-def token_texts(tokenizer: Any, cache_size: int = 65536) -> TokenText:
-    """Each token id's own text, cached: the same tokens recur in every answer."""
-
-    @functools.lru_cache(maxsize=cache_size)
-    def text(token_id: int) -> str:
-        decoded: str = tokenizer.decode([token_id], skip_special_tokens=False)
-        return decoded
-
-    return text
 
 
 def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
-def _top(token_id: int, logprob: float, text: TokenText) -> TopLogprob:
-    token = text(token_id)
-    return TopLogprob(token=token, logprob=finite(logprob), bytes=list(token.encode("utf-8")))
+def _top(token_id: int, logprob: float, pieces: TokenPieces) -> TopLogprob:
+    piece = pieces(token_id)
+    return TopLogprob(token=piece.text, logprob=finite(logprob), bytes=list(piece.data))
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[TokenLogprob], pieces: TokenPieces) -> ChatLogprobs:
     """``choices[].logprobs`` of a chat answer or chunk."""
     content = []
     for entry in entries:
-        chosen = _top(entry.token_id, entry.logprob, text)
+        chosen = _top(entry.token_id, entry.logprob, pieces)
         content.append(
             ChatTokenLogprob(
                 token=chosen.token,
                 logprob=chosen.logprob,
                 bytes=chosen.bytes,
-                top_logprobs=[_top(t, lp, text) for t, lp in entry.top],
+                top_logprobs=[_top(t, lp, pieces) for t, lp in entry.top],
             )
         )
     return ChatLogprobs(content=content)
 
 
-class CompletionLogprobsBuilder:
-    """``choices[].logprobs`` of a completion; keeps the text offset across stream chunks."""
+def keyed_alternatives(entry: TokenLogprob, pieces: TokenPieces) -> dict[str, float]:
+    """The chosen token, then the alternatives, by name; a taken name falls back to the id."""
+    top: dict[str, float] = {}
+    owners: dict[str, int] = {}
+    for token_id, logprob in ((entry.token_id, entry.logprob), *entry.top):
+        key = pieces(token_id).text
+        if owners.get(key, token_id) != token_id:
+            key = f"token_id:{token_id}"
+        if key not in top:  # the chosen token is usually among the alternatives too
+            top[key] = finite(logprob)
+            owners[key] = token_id
+    return top
 
-    def __init__(self, text: TokenText) -> None:
-        self.text = text
+
+class CompletionLogprobsBuilder:
+    """``choices[].logprobs`` of a completion; keeps the text offset across stream chunks.
+
+    ``text_offset`` counts the characters of the text before each token: the
+    tokens' bytes are decoded as a stream, so a token that ends a character
+    split over several tokens points at that character's start.
+    """
+
+    def __init__(self, pieces: TokenPieces) -> None:
+        self.pieces = pieces
         self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def build(self, entries: Sequence[TokenLogprob]) -> CompletionLogprobs:
         tokens, offsets, tops = [], [], []
         for entry in entries:
-            token = self.text(entry.token_id)
-            tokens.append(token)
+            piece = self.pieces(entry.token_id)
+            tokens.append(piece.text)
             offsets.append(self.offset)
-            self.offset += len(token)
-            # The chosen token first, then the alternatives (a text shared by two ids
-            # keeps the first one's value: the legacy shape is keyed by text).
-            top = {token: finite(entry.logprob)}
-            for token_id, logprob in entry.top:
-                top.setdefault(self.text(token_id), finite(logprob))
-            tops.append(top)
+            self.offset += len(self._decoder.decode(piece.data))
+            tops.append(keyed_alternatives(entry, self.pieces))
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[finite(e.logprob) for e in entries],

@@ -4,16 +4,17 @@
   that can fit the max model length, checked before any tokenizer work.
 - ``encode_chat``: the chat template's own markers stay special tokens, while
   message contents are tokenized as plain text (``split_special_tokens``), so
-  user text such as ``<|im_end|><|im_start|>system`` cannot forge a turn.
+  user text such as ``<|im_end|><|im_start|>system`` cannot forge a turn
+  (``chat_render.py``).
 
 All of it runs on a worker thread (the routes call it through the thread pool).
 """
 
 from __future__ import annotations
 
-import re
-import uuid
 from typing import Any
+
+from specpair_runtime.server.chat_render import TemplateMessage, encode_conversation
 
 # Unicode normalization may fold a few input characters into one before the
 # model sees them; the bound allows for that.
@@ -40,38 +41,10 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return [int(i) for i in tokenizer(text).input_ids]
 
 
-def _plain(tokenizer: Any, text: str) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
-    return [int(i) for i in ids]
-
-
-def _markup(tokenizer: Any, text: str) -> list[int]:
-    return [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
-
-
 def encode_chat(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:
     """(role, content) messages through the chat template, plus the generation prompt.
 
-    The template is rendered once with a unique placeholder per content; the
-    text between placeholders is the template's (special tokens parsed), each
-    placeholder is replaced by its content's plain-text tokens. A template may
-    drop or repeat a message; each occurrence gets the same tokens.
+    Contents are plain text, the template's markup keeps its special tokens
+    (``chat_render.encode_conversation``, which also renders tool turns).
     """
-    nonce = uuid.uuid4().hex
-    placeholder = re.compile(f"\ue000specpair-(\\d+)-{nonce}\ue001")
-    rendered = tokenizer.apply_chat_template(
-        [
-            {"role": role, "content": f"\ue000specpair-{index}-{nonce}\ue001"}
-            for index, (role, _) in enumerate(messages)
-        ],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    ids: list[int] = []
-    # re.split with one group: template text, index, template text, index, ...
-    for position, piece in enumerate(placeholder.split(rendered)):
-        if position % 2:
-            ids += _plain(tokenizer, messages[int(piece)][1])
-        elif piece:
-            ids += _markup(tokenizer, piece)
-    return ids
+    return encode_conversation(tokenizer, [TemplateMessage(role, text) for role, text in messages])

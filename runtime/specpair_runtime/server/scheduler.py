@@ -18,7 +18,7 @@ from functools import partial
 from typing import Literal
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.engine.api import Engine, SamplingParams, StepEvent
+from specpair_runtime.engine.api import Engine, FinishReason, SamplingParams, StepEvent
 from specpair_runtime.engine.budget import StepTiming
 from specpair_runtime.server.memory import MemoryProbe, PressureGate
 from specpair_runtime.server.metrics import ServerMetrics
@@ -58,8 +58,8 @@ class Submission:
     last_text_at: float | None = None
 
 
-def _aborted(request_id: str) -> StepEvent:
-    return StepEvent(request_id, [], "", 0, 0, finished=True, finish_reason="abort")
+def _aborted(request_id: str, reason: FinishReason = "abort") -> StepEvent:
+    return StepEvent(request_id, [], "", 0, 0, finished=True, finish_reason=reason)
 
 
 def pause_reason(memory_pressure: bool, batch_size: int, knobs: SpeculationKnobs) -> str | None:
@@ -92,7 +92,7 @@ class Scheduler:
         # The queue also holds requests that the next step admits to free slots.
         self._queue: RequestQueue[Submission] = RequestQueue(max_waiting + max_batch_size)
         self._running: dict[str, Submission] = {}
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, FinishReason]] = []
         self._new_knobs: SpeculationKnobs | None = None
         self._cond = threading.Condition()
         self._stopping = False
@@ -121,16 +121,21 @@ class Scheduler:
             self.metrics.requests_waiting.set(len(self._queue))
             self._cond.notify()
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a queued or running request; its slot frees before the next step."""
+    def abort(self, request_id: str, reason: FinishReason = "abort") -> None:
+        """Cancel a queued or running request; its slot frees before the next step.
+
+        ``reason``: how the request ended, for the metrics ("content_filter" when
+        the output filter stopped it).
+        """
         with self._cond:
             queued = self._queue.remove(request_id)
             if queued is None:
-                self._aborts.append(request_id)
+                self._aborts.append((request_id, reason))
                 self._cond.notify()
                 return
             self.metrics.requests_waiting.set(len(self._queue))
-        queued.sink(Update(event=_aborted(request_id)))
+            self.metrics.finished(reason)
+        queued.sink(Update(event=_aborted(request_id, reason)))
 
     def update_knobs(self, knobs: SpeculationKnobs) -> None:
         with self._cond:
@@ -190,13 +195,17 @@ class Scheduler:
         self._fail_running("server is shutting down", "shutting_down")
 
     def _between_steps(
-        self, aborts: list[str], knobs: SpeculationKnobs | None, admitted: list[Submission]
+        self,
+        aborts: list[tuple[str, FinishReason]],
+        knobs: SpeculationKnobs | None,
+        admitted: list[Submission],
     ) -> None:
-        for request_id in aborts:
+        for request_id, reason in aborts:
             submission = self._running.pop(request_id, None)
             if submission is not None:
                 self.engine.abort(request_id)
-                submission.sink(Update(event=_aborted(request_id)))
+                self.metrics.finished(reason)
+                submission.sink(Update(event=_aborted(request_id, reason)))
         if knobs is not None:
             self.engine.update_knobs(knobs)
             self.knobs = knobs
@@ -212,7 +221,9 @@ class Scheduler:
                 continue
             self._running[submission.request_id] = submission
             self.metrics.prompt_tokens.inc(len(submission.prompt_ids))
+            self.metrics.queue_time.observe(time.monotonic() - submission.arrival)
         self.metrics.requests_running.set(len(self._running))
+        self._update_kv_slot_usage()
         self._update_pause()
 
     def _update_pause(self) -> None:
@@ -277,9 +288,11 @@ class Scheduler:
             if event.finished:
                 del self._running[event.request_id]
                 self.metrics.request_latency.observe(now - submission.arrival)
+                self.metrics.finished(event.finish_reason or "stop")
             replies.append(partial(submission.sink, Update(event=event)))
         try:
             self.metrics.requests_running.set(len(self._running))
+            self._update_kv_slot_usage()
             # SpeculativeEngine measures its budget; the protocol does not require it.
             budget = getattr(self.engine, "step_tokens", None)
             if isinstance(budget, int):
@@ -292,8 +305,17 @@ class Scheduler:
             for reply in replies:
                 reply()
 
+    def _update_kv_slot_usage(self) -> None:
+        # SpeculativeEngine counts the requests holding a slot (one admitted this step
+        # may still wait for one); the protocol does not require it. The server never
+        # runs more requests than the engine has slots (EngineOptions.from_serving).
+        holding = getattr(self.engine, "running", None)
+        in_use = holding if isinstance(holding, int) else len(self._running)
+        self.metrics.kv_slot_usage.set(in_use / self.max_batch_size)
+
     def _fail(self, submission: Submission, detail: str, code: ErrorCode) -> None:
         self.metrics.error(code)
+        self.metrics.finished("error")
         submission.sink(Update(error=detail, error_code=code))
 
     def _fail_running(self, detail: str, code: ErrorCode) -> None:
@@ -305,4 +327,5 @@ class Scheduler:
             self._fail(submission, detail, code)
         self._running.clear()
         self.metrics.requests_running.set(0)
+        self._update_kv_slot_usage()
         self.metrics.requests_waiting.set(len(self._queue))

@@ -1,11 +1,15 @@
 """OpenAI-compatible request and response bodies.
 
-Requests forbid unknown fields so that a typo gets a 4xx naming the field
-instead of being silently ignored. They accept what the official SDKs and
-common frameworks send (``stream_options``, ``max_completion_tokens``,
-text content parts, the ``developer`` role, zero penalties, ``seed``,
-``user``, ``logprobs``) and vLLM's sampling extras (``top_k``,
-``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
+Every request model derives from ``RequestModel``: unknown fields are refused
+(a typo gets a 400 naming the field instead of being silently ignored), and
+types are strict, as OpenAI's are: a string, a boolean or ``2.0`` where an
+integer belongs is refused, never coerced (``"3"`` to 3, ``true`` to 1); a
+number field takes any JSON number (``"temperature": 1``). ``null`` means
+the default, as for OpenAI's nullable parameters. Requests accept what the
+official SDKs and common frameworks send (``stream_options``,
+``max_completion_tokens``, text content parts, the ``developer`` role, zero
+penalties, ``seed``, ``user``, ``logprobs``) and vLLM's sampling extras
+(``top_k``, ``stop_token_ids``, ``ignore_eos``). Responses are plain pydantic models
 that serialize to the shapes OpenAI clients parse, plus one extra field,
 ``speculation``, with the request's own speculation stats.
 """
@@ -15,69 +19,68 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from specpair_runtime.engine.api import FinishReason
+from specpair_runtime.engine.api import SEED_GUARANTEE, FinishReason
 from specpair_runtime.engine.logprobs import MAX_TOP_LOGPROBS
+from specpair_runtime.engine.penalties import MAX_LOGIT_BIAS
+from specpair_runtime.server.prompt_inputs import MAX_CHOICES, PromptField
+from specpair_runtime.server.request_model import RequestModel, Text
+from specpair_runtime.server.structured import GuidedFields, ResponseFormat, StructuredOutputs
+from specpair_runtime.server.tools import AssistantToolCall, Tool, ToolChoice
+
+__all__ = ["RequestModel", "Text"]
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+# The reasons a chat choice ends: the engine's, and "tool_calls" when it called tools.
+ChatFinishReason = FinishReason | Literal["tool_calls"]
 
 
-def _valid_unicode(value: str) -> str:
-    """Refuse lone surrogates: JSON can carry them, UTF-8 (and the tokenizer) cannot."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"contains a lone UTF-16 surrogate at character {error.start}; "
-            "text must be valid Unicode"
-        ) from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-def _zero_only(value: float) -> float:
-    if value != 0:
-        raise ValueError("only 0 is supported: this server applies no penalties")
-    return value
-
-
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0), AfterValidator(_zero_only)]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class StreamOptions(RequestModel):
     include_usage: bool = Field(
         default=False, description="Send a last chunk with usage and no choices before [DONE]."
     )
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Request(RequestModel):
     model: Text | None = Field(default=None, description="Ignored beyond a match check.")
     max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description=SEED_GUARANTEE)
     stop: Text | list[Text] | None = None
-    n: Literal[1] = Field(default=1, description="Only one choice per request.")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Bias] | None = Field(
+        default=None,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description="Token id (as a string) to a bias in [-100, 100] added to its logit.",
+    )
+    # vLLM's extra: divides positive logits (multiplies negative ones) of tokens seen so far.
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    # Structured outputs (``structured.py``): OpenAI's response_format, vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, object] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(default=None, min_length=1, max_length=1024)
+    guided_grammar: Text | None = Field(default=None, description="A Lark grammar.")
     # vLLM's sampling extras, which its clients send (LangChain's VLLMOpenAI, benchmarks).
     top_k: int | None = Field(
         default=None, ge=-1, description="Sample among the k most likely tokens; 0 or -1: off."
@@ -91,6 +94,40 @@ class _Request(BaseModel):
     # Higher runs first; FIFO within one priority (see scheduler.RequestQueue).
     # Capped by the API key's priority class; None = the key's own priority.
     priority: int | None = Field(default=None, ge=-1000, le=1000)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # As OpenAI and vLLM refuse it: without a stream the options would do nothing.
+        # ``stream`` is declared first, so it is validated already.
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+        return value
+
+    def bias_by_token(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    def guided(self) -> GuidedFields | None:
+        """vLLM's top-level constraint fields, when any is set."""
+        fields = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        if all(v is None for v in fields.values()):
+            return None
+        return GuidedFields.model_validate(fields)
 
     @field_validator("stop")
     @classmethod
@@ -120,9 +157,35 @@ class _Request(BaseModel):
         return None
 
 
+def _prompt_shape(value: object) -> str:
+    """The prompt branch a raw value belongs to, named as pydantic names union branches
+    (``field_path`` leaves such names out of the error's field path)."""
+    if not isinstance(value, list) or not value:
+        return "str" if not isinstance(value, list) else "list[str]"
+    first = value[0]
+    if isinstance(first, list):
+        return "list[list[int]]"
+    if isinstance(first, int) and not isinstance(first, bool):
+        return "list[int]"
+    return "list[str]"
+
+
+# One branch is validated, chosen by the value's shape, so an error speaks of that
+# branch (a lone surrogate in a string prompt, not "expected an array").
+Prompt = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Tag("list[str]")]
+    | Annotated[list[int], Tag("list[int]")]
+    | Annotated[list[list[int]], Tag("list[list[int]]")],
+    Discriminator(_prompt_shape),
+]
+
+
 class CompletionRequest(_Request):
-    prompt: Text = Field(description="The prompt text.")
-    echo: Literal[False] = False
+    prompt: Prompt = Field(
+        description="A prompt, a list of prompts, token ids, or a list of token id lists."
+    )
+    echo: bool = Field(default=False, description="Put the prompt before each completion.")
     logprobs: int | None = Field(
         default=None,
         ge=0,
@@ -133,21 +196,38 @@ class CompletionRequest(_Request):
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_field(self) -> PromptField:
+        return self.prompt
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
+class ContentPart(RequestModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ChatMessage(RequestModel):
     # "developer" is OpenAI's newer name for system instructions.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    # An assistant turn's tool calls, and the call a tool turn answers.
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: Text | None = None
+    # OpenAI's field of an assistant turn that declined; taken so a reply can be sent back.
+    refusal: Text | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id: only a tool message answers a call")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required, except in an assistant message with tool_calls")
+        return self
 
     @property
     def template_role(self) -> str:
@@ -157,6 +237,8 @@ class ChatMessage(BaseModel):
     @property
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines (as vLLM does)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
@@ -174,6 +256,9 @@ class ChatCompletionRequest(_Request):
         le=MAX_TOP_LOGPROBS,
         description="With logprobs: this many most likely tokens at each position.",
     )
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _one_length_field(self) -> ChatCompletionRequest:
@@ -273,14 +358,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[AssistantToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -293,16 +379,31 @@ class ChatCompletionResponse(BaseModel):
     speculation: SpeculationStats
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first has its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from specpair_runtime.config import ConfigError
 from specpair_runtime.engine.device_plan import drop_draft, plan_on_device
 from specpair_runtime.engine.golden_check import run_golden
+from specpair_runtime.engine.grammar import GrammarCompiler
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair, load_pair
 from specpair_runtime.golden import load_golden
@@ -114,6 +115,8 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
         state.tokenizer = pair.target.tokenizer
         engine = pair.engine()
         warm_up_graphs(state.readiness, engine)
+        state.vocab_size = engine.target.vocab
+        build_grammar_compiler(state, engine)
         scheduler = Scheduler(
             engine=engine,
             knobs=config.speculation,
@@ -135,6 +138,17 @@ def load_and_serve(state: ServerState, watch_interval_seconds: float = 2.0) -> N
     except Exception as error:
         log.exception("startup failed")
         state.readiness.set("failed", f"startup failed: {error}")
+
+
+def build_grammar_compiler(state: ServerState, engine: SpeculativeEngine) -> None:
+    """Structured outputs: llguidance's index of the tokenizer, built once (seconds for
+    150k tokens). A tokenizer it cannot read leaves the server serving everything else;
+    constrained requests then get 400 with the reason."""
+    try:
+        state.grammars = GrammarCompiler(state.tokenizer, engine.target.vocab, engine.eos_ids)
+    except Exception as error:  # llguidance's own failure on this tokenizer
+        state.grammars_unavailable = f"{type(error).__name__}: {error}"
+        log.warning("structured outputs unavailable: %s", state.grammars_unavailable)
 
 
 def freeze_long_lived_objects() -> None:
@@ -164,4 +178,6 @@ def stop_serving(state: ServerState) -> None:
         state.watcher.stop()
     if state.scheduler is not None:
         state.scheduler.stop()
+    if state.grammars is not None:
+        state.grammars.close()
     gc.unfreeze()  # a process that serves again (tests do) must not keep today's objects frozen

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specpair_runtime.config import RuntimeConfig
+from specpair_runtime.engine.grammar import GrammarCompiler
 from specpair_runtime.server.auth import KeyFileWatcher, KeyRing
 from specpair_runtime.server.filters import OutputFilter, build_filter
 from specpair_runtime.server.memory import MemoryProbe
@@ -16,6 +17,7 @@ from specpair_runtime.server.metrics import ServerMetrics
 from specpair_runtime.server.readiness import Readiness
 from specpair_runtime.server.reload import ConfigWatcher
 from specpair_runtime.server.scheduler import Scheduler
+from specpair_runtime.server.token_pieces import TokenPieces
 
 
 @dataclass
@@ -33,6 +35,10 @@ class ServerState:
     tokenizer: Any = None
     max_model_length: int = 0
     max_prompt_chars: int | None = None  # None until the tokenizer is known
+    token_pieces: TokenPieces | None = None  # each token's bytes and name, for logprobs
+    grammars: GrammarCompiler | None = None  # structured outputs, built with the engine
+    grammars_unavailable: str | None = None  # why the compiler could not be built
+    vocab_size: int = 0  # the target's logits width (token ids a request may name)
     watcher: ConfigWatcher | None = None
     key_watcher: KeyFileWatcher | None = None
     loader: threading.Thread | None = None

@@ -39,6 +39,8 @@ import logging
 
 import torch
 
+from specpair_runtime.hardware import native_bf16_gemm
+
 log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
@@ -76,11 +78,6 @@ def dequantize_groups(
     out_features, in_features = codes.shape
     grouped = codes.reshape(out_features, in_features // group_size, group_size).float()
     return ((grouped - 8) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
-
-
-def native_bf16_gemm() -> bool:
-    """True where oneDNN runs bf16 GEMMs natively (AVX-512 BF16, AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Int4Linear(torch.nn.Module):

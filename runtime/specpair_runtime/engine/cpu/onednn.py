@@ -18,26 +18,28 @@ rounds differently (seen on 1536 x 8960 and 8960 x 1536, not on every shape).
 So every call takes the GEMM path with at least ``MIN_GEMM_ROWS`` rows: a
 call with fewer is padded with zero rows. That costs nothing on a
 prepacked weight, and on some CPUs 2 or 3 rows run slower than 4. On 2 AMD
-EPYC vCPUs (AVX-512, stop 31), milliseconds for 1 / 2 / 3 / 4 / 5 / 8 rows:
+EPYC vCPUs (AVX-512), milliseconds for 1 / 2 / 3 / 4 / 5 / 8 rows:
 
 - 1536 -> 8960:  3.24 / 3.08 / 2.81 / 2.49 / 2.51 / 3.21
 - 8960 -> 1536:  3.08 / 2.93 / 2.71 / 2.47 / 2.36 / 3.10
 
-Run as two rows, as this module did before, a 1-token forward of the 1.5B
-target took 346-410 ms there, more than its 4-token verify (320-333 ms);
-padded to four, 305-311 ms (``bench_forward.py``, docs/benchmarks-history.md).
+Run as two rows, a 1-token forward of the 1.5B target took 346-410 ms
+there, more than its 4-token verify (320-333 ms); padded to four, 305-311 ms
+(``bench_forward.py``).
 
-``use_onednn_linears`` switches every fp32 ``nn.Linear`` of a model in place.
-The packed copy is opaque, so the plain weight stays where the model needs it:
-tied to the input embeddings, or kept on request (``keep_plain``, for the
-benchmark's stock-kernel baseline); otherwise it is released, so the model does
-not hold its weights twice. ``restore_default_linears`` undoes the switch
-where the plain weight is still there. Results differ from MKL's by float
-rounding only (about 1e-6).
+``use_onednn_linears`` switches every fp32 ``nn.Linear`` of a model in place,
+once, at load (``engine/cpu/prepare.py``). The packed copy is opaque, so the
+plain weight stays where the model needs it: tied to the input embeddings, or
+kept on request (``keep_plain``); otherwise it is released, so the model does
+not hold its weights twice. ``default_kernel_copy`` gives a model that kept
+its plain weights a twin on PyTorch's default kernels that shares every
+tensor (the benchmark's stock-kernel baseline). Results differ from MKL's by
+float rounding only (about 1e-6).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
 
@@ -128,20 +130,27 @@ def use_onednn_linears(model: torch.nn.Module, *, keep_plain: bool = False) -> i
     return count
 
 
-def restore_default_linears(model: torch.nn.Module) -> int:
-    """Undo ``use_onednn_linears`` (the benchmark's stock-kernel baseline); returns how many.
+def default_kernel_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A twin of ``model`` whose linears run PyTorch's default kernels; every tensor is shared.
 
-    Raises ValueError when a layer's plain weight was released (switch with
-    ``keep_plain=True`` to be able to come back).
+    Raises ValueError when a switched layer's plain weight was released
+    (switch with ``keep_plain=True`` to keep a way back).
     """
     switched = [m for m in model.modules() if getattr(m, _MARK, False)]
     if any(getattr(m, _PLAIN_RELEASED, False) for m in switched):
         raise ValueError(
             "the plain weights were released when the linears were packed; "
-            "use_onednn_linears(model, keep_plain=True) keeps them for a restore"
+            "use_onednn_linears(model, keep_plain=True) keeps them for the default kernels"
         )
-    for module in switched:
-        del module.forward
-        delattr(module, _MARK)
-        delattr(module, _PACKED)
-    return len(switched)
+    shared: dict[int, object] = {}
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        shared.update((id(t), t) for t in tensors)
+    twin: torch.nn.Module = copy.deepcopy(model, memo=shared)
+    for module in twin.modules():
+        if getattr(module, _MARK, False):
+            del module.forward
+            delattr(module, _MARK)
+            delattr(module, _PACKED)
+    return twin

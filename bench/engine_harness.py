@@ -1,13 +1,16 @@
-"""``specpair-runtime bench``: target-only vs specpair vs transformers assisted generation.
+"""The engine benchmark's harness: target-only vs specpair vs transformers assisted generation.
+
+``specpair-runtime bench`` runs it from a checkout of the repo (``make bench``
+through ``bench/bench_engine.py``); the runtime image does not ship it.
 
 All modes run on the same loaded pair, the same prompts and in the same
 process, so the ratios compare like with like. Within a round every mode is
 set up and warmed first, then each prompt goes through every mode before the
 next prompt (``run_interleaved``): the engine modes together, one step of
-each in turn (``Lockstep``), and HF assisted on the same kernels right
-before or after them, in turn. So the two sides of a ratio between engine
-modes ran within a second or two of each other, and against HF within the
-same half minute, and a slow spell of a shared machine hits both.
+each in turn (``Lockstep``), and HF assisted (on both kernels) right before
+or after them, in turn. So the two sides of a ratio between engine modes ran
+within a second or two of each other, and against HF within the same half
+minute, and a slow spell of a shared machine hits both.
 With ``runs`` > 1 the rounds run one after the other; each ratio is computed
 within a round and the table shows the median over rounds with its spread
 (min-max).
@@ -15,13 +18,23 @@ Speed is measured, never asserted; greedy identity with target-only decoding
 is reported per mode.
 
 HF assisted generation runs twice per round: on transformers' stock CPU
-kernels (before the engine switches the linears to oneDNN) and on the same
-oneDNN kernels as specpair, so both baselines are shown side by side. Both
+kernels and on the same oneDNN kernels as specpair, so both baselines are
+shown side by side. The loader switched the linears to oneDNN and kept the
+plain weights (``keep_plain``); the stock baseline runs a twin of the models
+that shares every tensor and runs PyTorch's default kernels
+(``engine/cpu/onednn.default_kernel_copy``). Both
 run transformers' own generation loop and modeling code over the loaded
 models, whose q/k/v and gate/up projections the loader fused
 (``engine/fused_projections.py``): HF's forward runs each fused GEMM once, as
 the engine's own loop does, so the fusion speeds up both sides and the ratio
 shows only what the engine does differently.
+
+The structured-output rows decode the same prompts under one JSON schema
+(``STRUCTURED_SCHEMA``, through ``engine/grammar.py``): target-only and the
+default knobs, each under the grammar, so their ratio is speculation's gain
+where every verified position and every draft proposal is masked. Their
+mask cost is the grammar processors' host time (computing masks, applying
+them to logits) per target pass and per masked position.
 
 Within an engine mode the prompts run one after the other on one engine, so
 each reuses what the one before left in the KV slot (``engine/prefix_reuse.py``):
@@ -34,6 +47,7 @@ prompt starts with: the same shapes, and no prefix for the timed prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -48,8 +62,10 @@ from typing import Any, Protocol
 import torch
 
 from specpair_runtime.config import SpeculationKnobs
-from specpair_runtime.engine.api import Engine, SamplingParams
-from specpair_runtime.engine.cpu_kernels import restore_default_linears, use_onednn_linears
+from specpair_runtime.engine.api import Engine, LogitsProcessor, SamplingParams
+from specpair_runtime.engine.constraint_processors import GrammarProcessor
+from specpair_runtime.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+from specpair_runtime.engine.loading import LoadedModel
 from specpair_runtime.engine.oneshot import Completion, RequestDriver, run_request
 from specpair_runtime.engine.options import EngineOptions
 from specpair_runtime.engine.pair import LoadedPair
@@ -71,6 +87,18 @@ HF_ASSISTED = "hf-assisted"
 HF_ASSISTED_ONEDNN = "hf-assisted (onednn)"
 DEFAULT_MODE = "specpair default"
 NO_REUSE_SUFFIX = ", no prefix reuse"
+JSON_SUFFIX = ", json schema"
+# The structured-output rows' schema: what a coding or support answer would fill in.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"enum": ["code", "order", "return", "other"]},
+        "answer": {"type": "string"},
+        "steps": {"type": "array", "items": {"type": "string"}},
+        "code": {"type": "string"},
+    },
+    "required": ["topic", "answer", "steps"],
+}
 FIXED_DEPTH_PREFIX = "specpair k="
 
 
@@ -84,6 +112,7 @@ class BenchSettings:
     hf_assisted: bool = True
     repeats: int = 1
     runs: int = 1  # rounds of all modes; ratios are medians over rounds
+    structured: bool = True  # the JSON-schema rows (target-only and default, constrained)
 
     @property
     def prompt_texts(self) -> list[str]:
@@ -104,6 +133,8 @@ class ModeResult:
     identical: bool = True  # token ids equal target-only's on every prompt
     outputs: list[list[int]] = field(default_factory=list)
     run_rates: list[float] = field(default_factory=list)  # tokens/s of each round
+    mask_seconds: float = 0.0  # grammar processors' host time (structured rows)
+    masked_positions: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -117,6 +148,8 @@ class ModeResult:
         self.tokens += run.tokens
         self.seconds += run.seconds
         self.target_passes += run.target_passes
+        self.mask_seconds += run.mask_seconds
+        self.masked_positions += run.masked_positions
         if run.drafted is not None and self.drafted is not None:
             self.drafted += run.drafted
         if run.accepted is not None and self.accepted is not None:
@@ -141,6 +174,24 @@ class ModeResult:
     @property
     def tokens_per_target_pass(self) -> float:
         return self.tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def mask_ms_per_pass(self) -> float | None:
+        """The grammar's host time per target pass (None without a grammar)."""
+        if not self.masked_positions or not self.target_passes:
+            return None
+        return self.mask_seconds / self.target_passes * 1e3
+
+    @property
+    def mask_us_per_position(self) -> float | None:
+        if not self.masked_positions:
+            return None
+        return self.mask_seconds / self.masked_positions * 1e6
+
+
+def baseline_of(mode: str) -> str:
+    """The target-only row a mode's speed compares with: the one under the same constraint."""
+    return TARGET_ONLY + JSON_SUFFIX if mode.endswith(JSON_SUFFIX) else TARGET_ONLY
 
 
 @dataclass
@@ -196,8 +247,10 @@ class BenchResult:
                     "target_passes": m.target_passes,
                     "tokens_per_target_pass": m.tokens_per_target_pass,
                     "tokens_per_second_per_round": m.run_rates,
-                    "vs_target_only": self.ratio(m, TARGET_ONLY),
-                    "vs_target_only_per_round": self.ratios(m, TARGET_ONLY),
+                    "vs_target_only": self.ratio(m, baseline_of(m.mode)),
+                    "vs_target_only_per_round": self.ratios(m, baseline_of(m.mode)),
+                    "mask_ms_per_target_pass": m.mask_ms_per_pass,
+                    "mask_us_per_position": m.mask_us_per_position,
                     "vs_hf_assisted": self.ratio(m, HF_ASSISTED),
                     "vs_hf_assisted_per_round": self.ratios(m, HF_ASSISTED),
                     "vs_hf_assisted_onednn": self.ratio(m, HF_ASSISTED_ONEDNN),
@@ -345,6 +398,25 @@ class ModeRunner:
         self.result.add_prompt(self._decode(prompt))
 
 
+class GrammarMeter:
+    """Builds each request's grammar processor and sums their mask costs."""
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self.made: list[GrammarProcessor] = []
+
+    def processor(self) -> LogitsProcessor:
+        self.made.append(GrammarProcessor(self.grammar))
+        return self.made[-1]
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, positions) of the processors built since the last call."""
+        seconds = sum(p.seconds for p in self.made)
+        positions = sum(p.positions for p in self.made)
+        self.made.clear()
+        return seconds, positions
+
+
 @dataclass
 class EngineMode:
     """One engine configuration of a round, warmed up; ``Lockstep`` times its steps."""
@@ -352,6 +424,7 @@ class EngineMode:
     result: ModeResult
     engine: Engine
     params: SamplingParams
+    meter: GrammarMeter | None = None  # the structured rows' grammar
 
 
 def engine_mode(
@@ -362,16 +435,25 @@ def engine_mode(
     settings: BenchSettings,
     *,
     prefix_reuse: bool = True,
+    grammar: CompiledGrammar | None = None,
 ) -> EngineMode:
-    """A fresh engine for one configuration (None: target-only), warmed up, decoding greedily."""
+    """A fresh engine for one configuration (None: target-only), warmed up, decoding greedily.
+
+    ``grammar``: every request decodes under it (the structured rows).
+    """
     # KV storage for one request at a time (the default sizes a serving batch).
     length = max(len(p) for p in prompts) + settings.max_new_tokens
     options = EngineOptions(max_slots=1, max_length=length, prefix_reuse=prefix_reuse)
     engine = pair.engine(speculate=knobs is not None, knobs=knobs, options=options)
-    run_request(engine, warm_up_prompt(prompts), SamplingParams(max_new_tokens=2))  # untimed
+    meter = GrammarMeter(grammar) if grammar is not None else None
+    processors = (meter.processor,) if meter is not None else ()
+    warm = SamplingParams(max_new_tokens=2, logits_processors=processors)
+    run_request(engine, warm_up_prompt(prompts), warm)  # untimed
+    if meter is not None:
+        meter.take()
     depth = knobs.max_depth if knobs is not None else None
-    params = SamplingParams(max_new_tokens=settings.max_new_tokens)
-    return EngineMode(ModeResult(mode, depth), engine, params)
+    params = SamplingParams(max_new_tokens=settings.max_new_tokens, logits_processors=processors)
+    return EngineMode(ModeResult(mode, depth), engine, params, meter)
 
 
 class Lockstep:
@@ -415,7 +497,10 @@ class Lockstep:
                 seconds[index] += self._clock() - started
             pending = [index for index in pending if not drivers[index].finished]
         for mode, driver, spent in zip(self.modes, drivers, seconds, strict=True):
-            mode.result.add_prompt(engine_result(mode.result.mode, driver.completion(), spent))
+            one = engine_result(mode.result.mode, driver.completion(), spent)
+            if mode.meter is not None:
+                one.mask_seconds, one.masked_positions = mode.meter.take()
+            mode.result.add_prompt(one)
 
 
 def engine_result(mode: str, completion: Completion, seconds: float) -> ModeResult:
@@ -463,26 +548,43 @@ def linears_patched(model: torch.nn.Module) -> bool:
     return any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
+def stock_kernels(pair: LoadedPair) -> LoadedPair:
+    """The pair on PyTorch's default kernels: a twin sharing every tensor, or the pair itself.
+
+    The loader switches CPU linears to oneDNN; the twin's linears run the
+    stock kernels over the plain weights that ``keep_plain`` kept.
+    """
+    if not linears_patched(pair.target.model):
+        return pair
+    from specpair_runtime.engine.cpu.onednn import default_kernel_copy
+
+    def twin(loaded: LoadedModel) -> LoadedModel:
+        return dataclasses.replace(loaded, model=default_kernel_copy(loaded.model))
+
+    draft = twin(pair.draft) if pair.draft is not None else None
+    return dataclasses.replace(pair, target=twin(pair.target), draft=draft)
+
+
+def structured_grammar(pair: LoadedPair) -> CompiledGrammar:
+    """``STRUCTURED_SCHEMA`` compiled for the pair's tokenizer (untimed)."""
+    engine = pair.engine(speculate=False, options=EngineOptions(max_slots=1, max_length=16))
+    compiler = GrammarCompiler(pair.target.tokenizer, engine.target.vocab, engine.eos_ids)
+    try:
+        return compiler.compile(GrammarSpec.json_schema(STRUCTURED_SCHEMA))
+    finally:
+        compiler.close()
+
+
 def _one_round(
-    pair: LoadedPair, prompts: list[list[int]], settings: BenchSettings, shift: int
+    pair: LoadedPair,
+    stock: LoadedPair,
+    prompts: list[list[int]],
+    settings: BenchSettings,
+    shift: int,
+    grammar: CompiledGrammar | None = None,
 ) -> list[ModeResult]:
-    """Every mode over every prompt once; the order keeps the kernels honest (module doc)."""
-    on_cpu = pair.target.device.type == "cpu"
+    """Every mode over every prompt once, each prompt through every mode in turn."""
     timed = [p for _ in range(settings.repeats) for p in prompts]
-    modes: list[ModeResult] = []
-    if settings.hf_assisted:
-        # HF on its stock kernels runs first, on its own: the engine's need the weights repacked.
-        for loaded in (pair.target, pair.draft):
-            if loaded is not None:
-                restore_default_linears(loaded.model)
-        stock = hf_mode(pair, prompts, settings, HF_ASSISTED)
-        for prompt in timed:
-            stock.run(prompt)
-        modes.append(stock.result)
-        # The engine's kernels, with the plain weights kept for the next round's baseline.
-        for loaded in (pair.target, pair.draft):
-            if loaded is not None and loaded.device.type == "cpu":
-                use_onednn_linears(loaded.model, keep_plain=True)
     engines = [engine_mode(pair, TARGET_ONLY, None, prompts, settings)]
     for depth in settings.depths:
         knobs = SpeculationKnobs(max_depth=depth, min_depth=depth, adaptive=False)
@@ -497,31 +599,44 @@ def _one_round(
                 pair, name + NO_REUSE_SUFFIX, default, prompts, settings, prefix_reuse=False
             )
         )
-    # The engine modes in lockstep, and HF on the same kernels before or after them.
+    if grammar is not None:
+        default = SpeculationKnobs()
+        name = f"{DEFAULT_MODE} (adaptive<={default.max_depth})" + JSON_SUFFIX
+        target = TARGET_ONLY + JSON_SUFFIX
+        engines.append(engine_mode(pair, target, None, prompts, settings, grammar=grammar))
+        engines.append(engine_mode(pair, name, default, prompts, settings, grammar=grammar))
+    # The engine modes in lockstep, and HF on either kernels before or after them.
     runners: list[PromptRunner] = [Lockstep(engines, shift=shift)]
-    hf_same = None
-    if settings.hf_assisted and on_cpu and linears_patched(pair.target.model):
-        hf_same = hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN)
-        runners.append(hf_same)
-    run_interleaved(runners, timed, shift)
-    modes += [mode.result for mode in engines]
-    if hf_same is not None:
-        modes.append(hf_same.result)
+    hf: list[ModeRunner] = []
+    if settings.hf_assisted:
+        hf.append(hf_mode(stock, prompts, settings, HF_ASSISTED))
+        if stock is not pair:  # the engine's kernels are not the stock ones
+            hf.append(hf_mode(pair, prompts, settings, HF_ASSISTED_ONEDNN))
+    run_interleaved([*runners, *hf], timed, shift)
+    modes = [mode.result for mode in engines] + [runner.result for runner in hf]
     for mode in modes:
         log.info("%s: %.2f tokens/s", mode.mode, mode.tokens_per_second)
     return modes
 
 
 def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
-    """Run every mode on the same prompts, ``settings.runs`` rounds; identity vs target-only."""
+    """Run every mode on the same prompts, ``settings.runs`` rounds; identity vs target-only.
+
+    On the CPU the pair must keep its plain weights (``load_pair(keep_plain=True)``)
+    for HF's stock-kernel baseline.
+    """
     tokenizer = pair.target.tokenizer
     prompts = [encode_prompt(tokenizer, text, chat=settings.chat) for text in settings.prompt_texts]
     machine = machine_info(pair)
+    stock = stock_kernels(pair) if settings.hf_assisted else pair
+    grammar = structured_grammar(pair) if settings.structured else None
     merged: dict[str, ModeResult] = {}
     for index in range(settings.runs):
         # The rotation goes on across rounds, so each mode leads a different prompt.
-        round_modes = _one_round(pair, prompts, settings, shift=index * len(prompts))
-        reference = next(m.outputs for m in round_modes if m.mode == TARGET_ONLY)
+        round_modes = _one_round(
+            pair, stock, prompts, settings, shift=index * len(prompts), grammar=grammar
+        )
+        references = {m.mode: m.outputs for m in round_modes}
         for mode in round_modes:
             total = merged.setdefault(
                 mode.mode,
@@ -530,8 +645,9 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
             if total.drafted is not None and not total.run_rates:
                 total.drafted = total.accepted = 0
             total.absorb(mode)
+            baseline = baseline_of(mode.mode)
             total.identical = total.identical and (
-                mode.mode == TARGET_ONLY or mode.outputs == reference
+                mode.mode == baseline or mode.outputs == references[baseline]
             )
             if not total.outputs:
                 total.outputs = mode.outputs
@@ -539,6 +655,7 @@ def run_bench(pair: LoadedPair, settings: BenchSettings) -> BenchResult:
         machine["hf_assisted_kernels"] = "stock transformers; onednn: the engine's kernels"
     order = [TARGET_ONLY]
     names = [n for n in merged if n not in (TARGET_ONLY, HF_ASSISTED, HF_ASSISTED_ONEDNN)]
+    names.sort(key=lambda n: n.endswith(JSON_SUFFIX))  # the structured rows last
     order += names + [n for n in (HF_ASSISTED, HF_ASSISTED_ONEDNN) if n in merged]
     return BenchResult(settings, [merged[n] for n in order], machine)
 
@@ -581,7 +698,7 @@ def format_table(result: BenchResult) -> str:
                 f"{m.tokens_per_second:.2f}",
                 _fmt(m.acceptance_rate, ".2f"),
                 f"{m.tokens_per_target_pass:.2f}",
-                _ratio_cell(result, m, TARGET_ONLY),
+                _ratio_cell(result, m, baseline_of(m.mode)),
                 _ratio_cell(result, m, HF_ASSISTED),
                 _ratio_cell(result, m, HF_ASSISTED_ONEDNN),
                 _ratio_cell(result, m, best) if best else "n/a",
@@ -600,7 +717,23 @@ def format_table(result: BenchResult) -> str:
         f"vs best k: against {best or 'no fixed depth'}, the fixed depth with the most tok/s",
         "",
     ]
+    lines += _structured_lines(result)
     return "\n".join(lines)
+
+
+def _structured_lines(result: BenchResult) -> list[str]:
+    """The structured rows' summary: the ratio under the grammar, acceptance, mask cost."""
+    rows = [m for m in result.modes if m.mode.endswith(JSON_SUFFIX) and m.mask_ms_per_pass]
+    if not rows:
+        return []
+    lines = ["", "json schema rows: vs target = against target-only under the same grammar"]
+    for m in rows:
+        lines.append(
+            f"  {m.mode}: {_ratio_cell(result, m, baseline_of(m.mode))}, acceptance "
+            f"{_fmt(m.acceptance_rate, '.2f')}, mask cost {_fmt(m.mask_ms_per_pass, '.2f')} ms "
+            f"per target pass ({_fmt(m.mask_us_per_position, '.0f')} us per masked position)"
+        )
+    return lines
 
 
 def plot(result: BenchResult, path: Path) -> None:
