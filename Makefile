@@ -112,7 +112,7 @@ node: control-plane images ## Run the control plane plus a real node in the fore
 
 .PHONY: e2e
 e2e: control-plane images ## helm install + a CPU pair on the real node, end to end (make test runs it too)
-	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+	$(PY) -m pytest tests/e2e/test_node_e2e.py $(PYTEST_ARGS)
 
 .PHONY: bench
 bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair
