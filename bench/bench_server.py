@@ -20,13 +20,12 @@ per-chunk gap is also reported divided by the mean tokens per chunk.
 
 The levels run in ``--rounds`` rounds, in ascending order in odd rounds and
 descending in even ones (1, 8, 8, 1, ...), and each level's gaps are pooled
-over its rounds. The shared machines of docs/benchmarks.md change speed in
-spells: in one process the 1.5B target's 1-token forward took 157-195 ms,
-then 226-249 ms for the rest of the run (stop 40). Run one after the other,
-the single-stream baseline and the 8-stream level could fall into different
-spells, and their ratio moved with the spell, not with the engine;
+over its rounds. Shared machines change speed in spells: the same forward
+can take a third longer for the rest of a run. Run one after the other, the
+single-stream baseline and the 8-stream level could fall into different
+spells, and their ratio would move with the spell, not with the engine;
 interleaved, both sample the same spells. Each round's own ratio is printed
-too, as the spread. A round is the whole load of one earlier run
+too, as the spread. Each round sends the whole load
 (``--requests-per-stream`` each): with fewer requests per round, more of a
 level's short prompts arrive in the burst that starts it, where every
 stream prefills at once, and the short prompts' time to first token reads
@@ -602,7 +601,7 @@ def main() -> int:
     parser.add_argument(
         "--requests-per-stream",
         type=positive_int,
-        default=4,  # per round: each round is the load that one run was before rounds
+        default=4,  # per round: each round sends the whole load
         metavar="N",
         help="at least N; more when needed for every prompt to be sent equally often",
     )

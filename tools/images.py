@@ -70,9 +70,9 @@ RUNTIME_CPU = ImageRecipe(
         "README.md",
         "runtime",
         "operator",
-        "scripts/make_demo_models.py",
         "tools/__init__.py",
         "tools/tiny_models.py",
+        "tools/make_demo_models.py",
     ),
     "runtime",
 )

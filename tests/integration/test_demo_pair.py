@@ -1,6 +1,6 @@
 """The demo pair of the CPU image (`make images`), served as its pod would serve it.
 
-scripts/make_demo_models.py builds the tiny pair that the CPU image bakes in
+tools/make_demo_models.py builds the tiny pair that the CPU image bakes in
 and rewrites the CPU sample to use it. Here the operator's own builders turn
 that sample into the runtime config its ConfigMap would carry, and the real
 `specpair-runtime serve` answers a completion with it, on loopback."""
@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from scripts import make_demo_models
+from tools import make_demo_models
 
 from specpair_operator import builders
 from specpair_operator.api import parse_spec

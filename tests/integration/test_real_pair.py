@@ -106,8 +106,8 @@ def test_real_pair_batches_with_chunked_prefill_and_joins_keep_identity(
 def test_a_raw_completion_ends_where_the_model_writes_endoftext(pair: LoadedPair) -> None:
     """The pair's GGUF files name one EOS, ``<|im_end|>``; upstream Qwen also ends on
     ``<|endoftext|>``, and so must the converted pair: this raw (no chat template)
-    completion writes one sentence, then ``<|endoftext|>``, and used to run on into
-    a new document."""
+    completion writes one sentence, then ``<|endoftext|>``; with only the GGUF's
+    EOS it would run on into a new document."""
     tokenizer = pair.target.tokenizer
     ends = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     assert ends <= eos_token_ids(pair.target)

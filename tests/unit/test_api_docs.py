@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 
-from scripts import gen_api_docs
+from tools import gen_api_docs
 
 
 def test_api_docs_are_current() -> None:
     expected = gen_api_docs.render(gen_api_docs.load_crd())
     assert gen_api_docs.DOC_PATH.read_text() == expected, (
-        "docs/api.md is stale: run `make crds` (or python scripts/gen_api_docs.py)"
+        "docs/api.md is stale: run `make crds` (or python -m tools.gen_api_docs)"
     )
 
 

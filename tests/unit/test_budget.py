@@ -81,10 +81,9 @@ def test_one_noisy_step_does_not_swing_the_estimate() -> None:
 
 def test_one_slow_step_at_a_new_size_shrinks_a_growing_budget() -> None:
     # Deliberately cautious. A growing budget tries a new chunk size in every
-    # step, so a slow step is its own point of the line. Stop 20 tried a robust
-    # fit (Theil-Sen) that kept growing through it, plus a probe of larger
-    # chunks: on the 1.5B pair the 8-stream p99 ITL ratio went from 1.07x
-    # (1.00-1.54) to 1.87x (1.34-2.62) over 3 alternating rounds.
+    # step, so a slow step is its own point of the line: a robust fit (Theil-Sen)
+    # would keep growing through it, and the streams beside an oversized chunk
+    # pay for it in their inter-token latency.
     budget = StepBudget(8, 256)
     budget.record(2, 0, 0, 0.0030)
     sizes = []
@@ -243,9 +242,9 @@ def test_the_first_chunk_of_a_step_gets_at_least_the_floor(
 
 
 def test_an_unmeasured_budget_leaves_prompt_work_only_the_floor() -> None:
-    # The start value is a guess: 23-27 prompt tokens beside 1-4 decoding rows made
-    # the first mixed step of an 8-stream level take 0.87-1.45 s, its neighbours
-    # 0.5-0.9 s (the 1.5B pair, docs/benchmarks-history.md, stops 30 and 31).
+    # The start value is a guess: on the 1.5B pair, 23-27 prompt tokens beside 1-4
+    # decoding rows can take one and a half to two times a neighbouring step, so
+    # until a chunk is timed prompt work gets only the floor.
     budget = StepBudget(32, 256)
     left = 32 - 4 * 2  # four rows decoding at depth 1
     assert budget.chunk_room(left) == 0
@@ -276,7 +275,7 @@ def test_a_drafting_rows_feed_beyond_a_steady_decode_is_catch_up(
 
 def test_a_step_whose_drafting_row_catches_up_cannot_set_the_pure_reference() -> None:
     # The engine passes the hidden catch-up; the 0.69 s step must not become the
-    # 8-row reference that every chunk is then measured against (stop 30).
+    # 8-row reference that every chunk is then measured against.
     budget = StepBudget(16, 256)
     budget.record(8, 1, 0, 0.690, draft_catch_up=draft_catch_up(9, True))
     assert (8, 1) not in budget.pure

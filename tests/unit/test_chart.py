@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from scripts import sync_chart_crds
+from tools import sync_chart_crds
 from tools.control_plane import Binaries
 
 from specpair_operator.__main__ import _parser as operator_cli

@@ -93,14 +93,14 @@ def test_cost_cap_speculates_until_measured() -> None:
 
 
 def test_the_break_even_confidence_is_the_step_rate_times_one_more_tokens_cost() -> None:
-    # This CPU's Qwen pair (stop 34): a draft forward 23 ms, verifies of 1-5 tokens
-    # about alike, 200 ms.
+    # Costs of the Qwen pair on a 2-core CPU: a draft forward 23 ms, verifies of
+    # 1-5 tokens about alike, 200 ms.
     flat = _measured(0.023, {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}, 0.8)
     rate = flat.throughput(1, 4)
     assert rate is not None
     assert flat.verify_slope(1) == 0.0
     assert flat.break_even_confidence(1, 4) == pytest.approx(rate * 0.023)
-    # Where each verify token costs 25 ms more (stop 26's CPU), the bar is higher.
+    # Where each verify token costs 25 ms more, the bar is higher.
     steep = _measured(0.023, {n: 0.2 + 0.025 * (n - 1) for n in range(1, 6)}, 0.8)
     assert steep.verify_slope(1) == pytest.approx(0.025)
     steep_rate = steep.throughput(1, 4)
@@ -113,17 +113,18 @@ def test_the_break_even_confidence_is_the_step_rate_times_one_more_tokens_cost()
 
 
 def test_one_noisy_verify_size_hardly_moves_the_bar() -> None:
-    # A fit through all sizes, not the difference of neighbours (stop 34's trace).
+    # A fit through all sizes, not the difference of neighbours, so one noisy size
+    # moves the slope little.
     noisy = _measured(0.023, {1: 0.29, 2: 0.20, 3: 0.25, 4: 0.22, 5: 0.22}, 0.8)
     assert noisy.verify_slope(1) < 0.005  # nearly flat, as the sizes are
     assert (noisy.break_even_confidence(1, 4) or 1.0) < 0.3
 
 
 def test_one_size_timed_in_a_fast_moment_does_not_pull_the_depth_down() -> None:
-    # A trace of make bench's default on 2 shared vCPUs (stop 37): draft forwards
-    # of 24 ms, verifies of 5, 2, 4 and 2 tokens in that order, the last one in a
-    # fast moment of the machine. Compared size by size, t_v(2) = 0.186 s looked a
-    # third cheaper than t_v(5), and the cap sat at depth 1 for 15 steps.
+    # A trace of make bench's default on 2 shared vCPUs: draft forwards of 24 ms,
+    # verifies of 5, 2, 4 and 2 tokens in that order, the last one in a fast moment
+    # of the machine. Compared size by size, t_v(2) = 0.186 s would look a third
+    # cheaper than t_v(5) and hold the cap at depth 1.
     cost = CostModel()
     cost.record_draft(1, 0.024)
     cost.record_verify(1, 1, 0.303)

@@ -133,7 +133,7 @@ def test_cpu_image_uses_the_cpu_torch_wheel_and_bakes_the_demo_models() -> None:
     run = " ".join(build.all("RUN"))
     # The wheelhouse holds the CPU wheel (tools/wheelhouse.py), so pip takes that one.
     assert wheelhouse.TORCH_WHEEL_GLOB.startswith("torch-2.13.0+cpu-cp311")
-    assert "scripts/make_demo_models.py --output /opt/specpair/models/demo" in run
+    assert "-m tools.make_demo_models --output /opt/specpair/models/demo" in run
     # The files are written 0600; the runtime reads them as UID 65532.
     assert "chmod -R a+rX /opt/specpair/models" in run
     assert "--from=build /opt/specpair/models /opt/specpair/models" in final.all("COPY")
@@ -179,7 +179,7 @@ def test_demo_model_script_needs_only_what_the_image_copies() -> None:
         for src in args.split()[:-1]
         if not src.startswith("--")
     }
-    for module in ("scripts/make_demo_models.py", "tools/tiny_models.py"):
+    for module in ("tools/make_demo_models.py", "tools/tiny_models.py"):
         tree = ast.parse((ROOT / module).read_text())
         for node in ast.walk(tree):
             imported = node.module if isinstance(node, ast.ImportFrom) else None

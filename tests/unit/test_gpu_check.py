@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts import gpu_check
+from tools import gpu_check
 
 SCRIPT = Path(gpu_check.__file__)
 
@@ -98,5 +98,5 @@ def test_a_given_gpu_python_installs_and_fetches_nothing() -> None:
     ).stdout.strip()
     assert planned.splitlines() == [
         "PYTHONPATH=runtime:operator:.${PYTHONPATH:+:$PYTHONPATH} "
-        "/opt/gpu/bin/python3 scripts/gpu_check.py --output gpu-check.json"
+        "/opt/gpu/bin/python3 -m tools.gpu_check --output gpu-check.json"
     ]

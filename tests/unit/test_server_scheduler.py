@@ -132,8 +132,8 @@ def test_metrics_are_up_to_date_when_a_request_hears_it_finished(
     engine: SpeculativeEngine,
 ) -> None:
     """A client that scrapes /metrics right after its last chunk sees its request
-    gone from ``specpair_requests_running`` and the step that finished it counted
-    (the gauge used to be set after the replies: a race the server test hit)."""
+    gone from ``specpair_requests_running`` and the step that finished it counted:
+    the gauge is set before the replies go out, or a fast client could race it."""
     metrics = ServerMetrics("p", "v")
     sched = Scheduler(engine, KNOBS, metrics, MemoryProbe("cpu"), max_batch_size=2, max_waiting=1)
     seen: list[tuple[float, float]] = []

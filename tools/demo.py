@@ -29,8 +29,9 @@ os.environ.update(openmp_defaults(os.environ))
 # The repo root, so `tools.fetch_models` imports when run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.fetch_models import cached_pair_or_report
 from tqdm import tqdm
+
+from tools.fetch_models import cached_pair_or_report
 
 PROMPT = (
     "Write a Python function is_palindrome(text) that ignores case, spaces and "

@@ -11,7 +11,7 @@ On a machine with a CUDA GPU and the real pair in the cache (``make models``):
    forward of n tokens costs against one through the CUDA graphs, replay
    against eager, and how long the graph warm-up takes);
 3. writes one JSON report (``gpu-check.json`` unless ``--output``) and prints
-   its path. Exit 0 when every test passed (none skipped) and all three scripts ran.
+   its path. Exit 0 when every test passed (none skipped) and all three benchmarks ran.
 
 Without CUDA it exits 2 with a message that says why, before doing anything
 else (``--preflight`` does only that check). Without the real pair in the
@@ -20,7 +20,7 @@ and the engine bench and the forward costs on the pair's architecture with
 random weights), and the report fails with ``"real_pair": false``. Offline:
 nothing here needs a network or files outside the repo and the model cache.
 
-    .venv/bin/python scripts/gpu_check.py [--output FILE] [--skip-bench] [-- BENCH FLAGS]
+    .venv/bin/python -m tools.gpu_check [--output FILE] [--skip-bench] [-- BENCH FLAGS]
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Helm installs what is in a chart's crds/ directory; the chart must carry the
 very same CRD that `kubectl apply -f crds/` installs.
 
-    python scripts/sync_chart_crds.py           # copy
-    python scripts/sync_chart_crds.py --check   # exit 1 when they differ
+    python -m tools.sync_chart_crds           # copy
+    python -m tools.sync_chart_crds --check   # exit 1 when they differ
 """
 
 from __future__ import annotations

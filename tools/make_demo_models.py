@@ -1,10 +1,10 @@
 """Build the tiny demo pair baked into the CPU runtime image, and the demo sample.
 
-    python scripts/make_demo_models.py --output /opt/specpair/models/demo
+    python -m tools.make_demo_models --output /opt/specpair/models/demo
         writes a tiny random Llama target and a noisy copy as its draft (Hugging
         Face layout, with a tokenizer and chat template) to OUTPUT/target and
         OUTPUT/draft. Deterministic: the same files on every build.
-    python scripts/make_demo_models.py --sample crds/samples/cpu-pair.yaml
+    python -m tools.make_demo_models --sample crds/samples/cpu-pair.yaml
         prints that SpeculativePair with its target and draft pointed at the
         baked demo models (with their real size hints) and small CPU resources,
         for a cluster that runs the CPU image (`make images`).
