@@ -394,6 +394,8 @@ def test_1_helm_install_then_a_pair_on_the_images_demo_models_answers(env: Env) 
         env.base = demo_pair("demo-1", RUNTIME_CPU_IMAGE)
         env.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(env.base))
         revision = wait_revision_serving(env, "the demo pair Ready")
+        # Ready is the pod's; kube-proxy programs its endpoint a moment later.
+        wait_for(lambda: env.answers(PROMPTS[0]), "the Service to answer", timeout=30)
         reply = complete(env.url(), PROMPTS[0])
         assert reply["choices"][0]["text"] and reply["usage"]["completion_tokens"] > 0
         with env.port_forward() as local:  # as from a laptop: through the apiserver
