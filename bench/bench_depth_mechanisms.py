@@ -274,6 +274,16 @@ def measure_costs(pair: LoadedPair, rounds: int) -> dict[str, CostCurve]:
     }
 
 
+def _verdict_only(cost_cap: Callable[..., int]) -> Callable[..., int]:
+    """``CostModel.cost_cap`` that keeps its "not paying" verdict (0) but never
+    caps the depth below the batch cap."""
+
+    def capped(self: Any, batch_size: int, min_depth: int, max_depth: int) -> int:
+        return 0 if cost_cap(self, batch_size, min_depth, max_depth) == 0 else max_depth
+
+    return capped
+
+
 def variants() -> dict[str, Variant]:
     """The variants this script knows, by name: the default, each mechanism off, fixed depths."""
     from specpair_runtime.engine import cost_model, depth
@@ -292,12 +302,12 @@ def variants() -> dict[str, Variant]:
                 (depth, "PROBE_TARGET_EVERY", never),
             ),
         ),
-        "fixed-bar-0.5": Variant(
-            "fixed-bar-0.5",
+        "stop-0.5": Variant("stop-0.5", default.model_copy(update={"draft_confidence": 0.5})),
+        "no-cost-cap": Variant(
+            "no-cost-cap",
             default,
-            ((cost_model.CostModel, "break_even_confidence", lambda self, b, d: 0.5),),
+            ((cost_model.CostModel, "cost_cap", _verdict_only(cost_model.CostModel.cost_cap)),),
         ),
-        "no-stop": Variant("no-stop", default.model_copy(update={"draft_confidence": 0.0})),
         "no-batch-cap": Variant(
             "no-batch-cap",
             default,
@@ -307,6 +317,9 @@ def variants() -> dict[str, Variant]:
     for cap in (6, 8, 12, 16):
         knobs = default.model_copy(update={"max_depth": cap})
         chosen[f"default<={cap}"] = Variant(f"default<={cap}", knobs)
+        chosen[f"stop-0.5<={cap}"] = Variant(
+            f"stop-0.5<={cap}", knobs.model_copy(update={"draft_confidence": 0.5})
+        )
         chosen[f"no-batch-cap<={cap}"] = Variant(
             f"no-batch-cap<={cap}",
             knobs,

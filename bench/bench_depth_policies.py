@@ -22,12 +22,10 @@ engine's own runners (``bench_forward.measure``), and replays:
 - ``product t <=c``: draft until the product of the draft's probabilities
   over the pass (its own estimate that every draft so far is accepted) falls
   below ``t``, at most ``c`` tokens: the engine's per-row confidence stop;
-- ``product 0.5 <=4``: that rule at the engine's CPU default
-  (``draftConfidence``, ``config.DRAFT_CONFIDENCE``);
-- ``break-even t <=c``: that rule at the threshold that the engine's
-  default takes from these costs (``CostModel.break_even_confidence``: the
-  rate of fixed depth 4 times a draft forward plus one more verify token),
-  at the default ``maxDepth`` (4) and at 8;
+- ``product 0.5 <=4``: that rule at ``draftConfidence: 0.5``;
+- ``break-even t <=c``: that rule at a bar taken from these costs (the rate
+  of fixed depth 4 times a draft forward plus one more verify token: the
+  acceptance one more draft token needs to pay), at ``maxDepth`` 4 and 8;
 - ``schedule``: transformers' ``num_assistant_tokens_schedule="heuristic"``:
   start at 5 tokens, 2 more after a pass that accepted every draft, 1 fewer
   after one that did not (at least 1, here at most 8), with the 0.4
@@ -261,14 +259,11 @@ def policies(
     schedule: bool = False,
 ) -> dict[str, Policy | Branches]:
     """The rules to replay, by name (module doc)."""
-    from specpair_runtime.config import DRAFT_CONFIDENCE
-
     chosen: dict[str, Policy | Branches] = {f"k={d}": fixed(d) for d in fixed_depths}
     for cap in caps:
         chosen[f"confidence {HF_CONFIDENCE} <={cap}"] = confidence_stop(HF_CONFIDENCE, cap)
-    engine = DRAFT_CONFIDENCE.per_device["cpu"]
-    if 4 in caps:  # the engine's rule (a product) at its CPU default
-        chosen[f"product {engine} <=4"] = product_stop(engine, 4)
+    if 4 in caps:  # the engine's rule (a product) at draftConfidence 0.5
+        chosen["product 0.5 <=4"] = product_stop(0.5, 4)
     for threshold in products:
         for cap in caps:
             chosen[f"product {threshold} <={cap}"] = product_stop(threshold, cap)
@@ -286,7 +281,7 @@ def policies(
 def break_even_threshold(
     traces: Sequence[Sequence[DraftPosition]], costs: Costs, depth: int = 4
 ) -> float:
-    """The engine's default confidence bar on these costs, at fixed ``depth``'s rate."""
+    """The break-even confidence bar on these costs, at fixed ``depth``'s rate."""
     from specpair_runtime.engine.cost_model import CostModel
 
     model = CostModel()

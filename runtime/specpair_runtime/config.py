@@ -213,19 +213,14 @@ def recommended_draft_quantization(device_type: str) -> Quantization:
 
 
 # The draft-confidence stop (transformers' assisted generation stops drafting at 0.4 by
-# default): on by default on the CPU only. On CUDA the check reads the draft's
-# probabilities back once per draft forward, which breaks the step's single host sync.
-# Unset with adaptive depth, the threshold follows the measured costs
-# (``CostModel.break_even_confidence``); the CPU's value serves until they are measured.
+# default) is off unless set: on the CPU, with the adaptive depth below, a measured
+# break-even bar made the engine no faster with a good draft and no faster with a bad one
+# (docs/architecture.md, "Which depth mechanisms stayed").
 DRAFT_CONFIDENCE = Option(
     "A request stops drafting in a step once the product of the draft's probabilities "
     "of its drafts so far is below this (0 disables).",
     0.0,
-    per_device={"cpu": 0.5},
-    unset=(
-        "on the CPU with adaptive depth, the break-even acceptance of one more draft token "
-        "from the measured step costs (0.5 until measured); off on CUDA and with a fixed depth"
-    ),
+    unset="off",
     bounds={"ge": 0.0, "le": 1.0},
 )
 # A step that reads a prompt chunk speculates, except on the CPU: there such a step
@@ -243,21 +238,9 @@ DURING_PREFILL = Option(
 )
 
 
-def resolved_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> float:
-    """The confidence stop's fixed threshold (0 = never), or its start-up value.
-
-    Unset, it is the device's default with adaptive depth, and 0 with a fixed
-    depth (a fixed depth drafts exactly ``maxDepth`` tokens).
-    """
-    if knobs.draft_confidence is not None or knobs.adaptive:
-        return float(DRAFT_CONFIDENCE.for_device(knobs.draft_confidence, device_type))
-    return 0.0
-
-
-def measured_draft_confidence(knobs: SpeculationKnobs, device_type: str) -> bool:
-    """True when the threshold follows the measured costs: unset, with adaptive depth,
-    on a device where the stop is on by default."""
-    return knobs.draft_confidence is None and resolved_draft_confidence(knobs, device_type) > 0
+def resolved_draft_confidence(knobs: SpeculationKnobs) -> float:
+    """The confidence stop's threshold (0 = never)."""
+    return float(knobs.draft_confidence or DRAFT_CONFIDENCE.default)
 
 
 def resolved_during_prefill(knobs: SpeculationKnobs, device_type: str) -> bool:

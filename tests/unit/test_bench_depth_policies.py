@@ -150,7 +150,7 @@ def test_the_table_compares_every_policy_with_target_only() -> None:
     traces = [trace("yyynyy"), trace("nnyyyy")]
     rows = replay_table(traces, policies([1, 2], [4]), COSTS)
     names = [row.name for row in rows]
-    engine = "product 0.5 <=4"  # the engine's CPU default
+    engine = "product 0.5 <=4"  # the engine's stop at draftConfidence 0.5
     assert names == ["target-only", "k=1", "k=2", "confidence 0.4 <=4", engine, "oracle <=4"]
     assert rows[0].vs_target_only == 1.0
     # k=1 against a direct replay of both traces; target-only: 12 tokens in 12 s.

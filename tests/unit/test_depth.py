@@ -7,7 +7,6 @@ from pydantic import ValidationError
 
 from specpair_runtime.config import (
     SpeculationKnobs,
-    measured_draft_confidence,
     resolved_draft_confidence,
 )
 from specpair_runtime.engine.cost_model import (
@@ -92,32 +91,22 @@ def test_cost_cap_speculates_until_measured() -> None:
     assert CostModel().cost_cap(1, 1, 4) == 4
 
 
-def test_the_break_even_confidence_is_the_step_rate_times_one_more_tokens_cost() -> None:
+def test_the_verify_slope_is_the_cost_of_one_more_verify_token() -> None:
     # Costs of the Qwen pair on a 2-core CPU: a draft forward 23 ms, verifies of
     # 1-5 tokens about alike, 200 ms.
     flat = _measured(0.023, {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}, 0.8)
-    rate = flat.throughput(1, 4)
-    assert rate is not None
     assert flat.verify_slope(1) == 0.0
-    assert flat.break_even_confidence(1, 4) == pytest.approx(rate * 0.023)
-    # Where each verify token costs 25 ms more, the bar is higher.
+    # Where each verify token costs 25 ms more, the line says so.
     steep = _measured(0.023, {n: 0.2 + 0.025 * (n - 1) for n in range(1, 6)}, 0.8)
     assert steep.verify_slope(1) == pytest.approx(0.025)
-    steep_rate = steep.throughput(1, 4)
-    assert steep_rate is not None
-    assert steep.break_even_confidence(1, 4) == pytest.approx(steep_rate * 0.048)
-    assert (steep.break_even_confidence(1, 4) or 0.0) > (flat.break_even_confidence(1, 4) or 1.0)
-    assert flat.break_even_confidence(2, 2) is None  # batch 2 unmeasured
-    costly = _measured(0.02, {2: 0.2, 4: 2.0}, 0.8)
-    assert costly.break_even_confidence(1, 4) == 1.0  # never above 1
+    assert steep.verify_slope(2) == 0.0  # batch 2 unmeasured
 
 
-def test_one_noisy_verify_size_hardly_moves_the_bar() -> None:
+def test_one_noisy_verify_size_hardly_moves_the_slope() -> None:
     # A fit through all sizes, not the difference of neighbours, so one noisy size
     # moves the slope little.
     noisy = _measured(0.023, {1: 0.29, 2: 0.20, 3: 0.25, 4: 0.22, 5: 0.22}, 0.8)
     assert noisy.verify_slope(1) < 0.005  # nearly flat, as the sizes are
-    assert (noisy.break_even_confidence(1, 4) or 1.0) < 0.3
 
 
 def test_one_size_timed_in_a_fast_moment_does_not_pull_the_depth_down() -> None:
@@ -145,13 +134,6 @@ def test_one_size_timed_in_a_fast_moment_does_not_pull_the_depth_down() -> None:
     steep.accepted = [56.0, 60.0, 73.0, 81.0]
     assert steep.verify_slope(1) == pytest.approx(0.1)
     assert steep.cost_cap(1, 1, 4) == 1
-
-
-def test_the_break_even_confidence_waits_for_measured_costs() -> None:
-    assert CostModel().break_even_confidence(1, 4) is None
-    cost = CostModel()
-    cost.record_verify(1, 5, 0.2)
-    assert cost.break_even_confidence(1, 4) is None  # no draft forward timed yet
 
 
 def test_acceptance_floor_needs_a_full_window() -> None:
@@ -294,8 +276,7 @@ def _shallow_pays(controller: DepthController) -> CostModel:
 
 
 def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
-    # Without the measured confidence stop (here: turned off), the cap sets the depth.
-    controller = DepthController(SpeculationKnobs(max_depth=4, draft_confidence=0.0), "cpu")
+    controller = DepthController(SpeculationKnobs(max_depth=4), "cpu")
     cost = _shallow_pays(controller)
     caps = []
     for _ in range(2 * EXPLORE_EVERY):
@@ -307,22 +288,15 @@ def test_a_lower_cost_cap_still_drafts_at_the_batch_cap_now_and_then() -> None:
     assert all(cap < 4 for cap in caps if cap != 4)
 
 
-def test_with_the_measured_confidence_stop_the_cap_is_the_batch_cap() -> None:
-    # The stop cuts each row at the break-even bar with the row's own draft
-    # probabilities; an engine-wide cap below the batch cap would cut the rows
-    # it lets through as well.
-    stopped = DepthController(SpeculationKnobs(max_depth=4), "cpu")
-    _shallow_pays(stopped)
-    assert stopped.cost.cost_cap(1, 1, 4) < 4
-    assert [stopped.plan(1).cap for _ in range(EXPLORE_EVERY)] == [4] * EXPLORE_EVERY
-    assert stopped.plan(2).cap == 2  # the batch cap still halves it
-    # Where the stop is not measured (CUDA, a fixed draftConfidence), the cap decides.
+def test_the_cost_cap_applies_on_every_device_and_with_a_set_stop() -> None:
     for controller in (
+        DepthController(SpeculationKnobs(max_depth=4), "cpu"),
         DepthController(SpeculationKnobs(max_depth=4), "cuda"),
         DepthController(SpeculationKnobs(max_depth=4, draft_confidence=0.3), "cpu"),
     ):
         _shallow_pays(controller)
         assert controller.plan(1).cap < 4
+    assert DepthController(SpeculationKnobs(max_depth=4), "cpu").plan(2).cap == 2  # batch cap
 
 
 def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
@@ -343,34 +317,20 @@ def test_a_target_only_probe_waits_for_a_step_without_prompt_chunks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("knobs", "device", "expected"),
+    ("knobs", "expected"),
     [
-        (SpeculationKnobs(), "cpu", 0.5),
-        (SpeculationKnobs(), "cuda", 0.0),  # one host sync per step stays the rule there
-        (SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False), "cpu", 0.0),
-        (SpeculationKnobs(draft_confidence=0.3, adaptive=False), "cuda", 0.3),
-        (SpeculationKnobs(draft_confidence=0.0), "cpu", 0.0),
+        (SpeculationKnobs(), 0.0),  # off unless set, on every device
+        (SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False), 0.0),
+        (SpeculationKnobs(draft_confidence=0.3, adaptive=False), 0.3),
+        (SpeculationKnobs(draft_confidence=0.3), 0.3),
+        (SpeculationKnobs(draft_confidence=0.0), 0.0),
     ],
 )
-def test_the_draft_confidence_stop_defaults_per_device_and_depth_mode(
-    knobs: SpeculationKnobs, device: str, expected: float
+def test_the_draft_confidence_stop_is_the_set_threshold(
+    knobs: SpeculationKnobs, expected: float
 ) -> None:
-    assert resolved_draft_confidence(knobs, device) == expected
-
-
-@pytest.mark.parametrize(
-    ("knobs", "device", "expected"),
-    [
-        (SpeculationKnobs(), "cpu", True),
-        (SpeculationKnobs(), "cuda", False),
-        (SpeculationKnobs(draft_confidence=0.5), "cpu", False),  # a set knob is fixed
-        (SpeculationKnobs(max_depth=3, min_depth=3, adaptive=False), "cpu", False),
-    ],
-)
-def test_only_an_unset_adaptive_cpu_stop_follows_the_measured_costs(
-    knobs: SpeculationKnobs, device: str, expected: bool
-) -> None:
-    assert measured_draft_confidence(knobs, device) is expected
+    assert resolved_draft_confidence(knobs) == expected
+    assert DepthController(knobs, "cpu").plan(1).confidence == expected
 
 
 def test_a_bad_draft_confidence_names_the_field() -> None:

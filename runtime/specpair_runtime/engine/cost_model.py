@@ -176,25 +176,6 @@ class CostModel:
         line = self.verify_lines.get(batch_size)
         return line.slope if line is not None else 0.0
 
-    def break_even_confidence(self, batch_size: int, depth: int) -> float | None:
-        """The acceptance one more draft token needs to pay for itself at ``depth``,
-        or None while a cost is unmeasured.
-
-        One more token (taken with probability p: it and every draft before
-        it accepted, which the engine reads as the product of the draft's
-        probabilities) turns a step of E tokens in C seconds into E + p tokens
-        in C + c seconds, with c a draft forward
-        and one more verify token (``verify_slope``). That pays when p / c > E /
-        C, so the bar is the step's modelled rate (all its rows) times c, at
-        most 1.
-        """
-        rate = self.throughput(batch_size, depth)
-        draft = self.draft_seconds.get(batch_size)
-        if rate is None or draft is None:
-            return None
-        marginal = draft + self.verify_slope(batch_size)
-        return min(batch_size * rate * marginal, 1.0)
-
     def cost_cap(self, batch_size: int, min_depth: int, max_depth: int) -> int:
         """The modelled best depth in [min_depth, max_depth], or 0 when target-only wins."""
         baseline = self.throughput(batch_size, 0)

@@ -16,22 +16,13 @@ figure that keeps each):
    is closer to compute-bound, so verifying drafts costs more; ``maxDepth``
    at one row, halved at each doubling of the rows, never below
    ``minDepth``; 0 above ``disableAboveBatchSize``.
-3. The per-row confidence stop (``drafter.py`` applies it): a row drafts no
-   further once the product of the draft's probabilities of its drafts is
-   below the bar. Unset on the CPU with adaptive depth, the bar is the
-   break-even acceptance of one more draft token at the measured costs
-   (``CostModel.break_even_confidence``), so it follows the machine and the
-   batch: one more token, taken with probability p, pays when p / c exceeds
-   the step's tokens per second, c a draft forward plus one more verify
-   token. Where the stop is measured the cap is the batch cap: the stop
-   weighs each row's next draft with that row's own probabilities, which an
-   engine-wide cap cannot see.
-4. Where the stop is not measured (CUDA, where its host read per draft
-   forward would break the step's single sync; a set ``draftConfidence``),
-   the cap is the modelled best depth, ``E(d) / (d t_d + t_v(d + 1))``
-   (``CostModel``), and every ``EXPLORE_EVERY`` speculation steps one step
-   drafts at the batch cap, so the deeper positions' acceptance is measured
-   again instead of frozen at an early unlucky estimate.
+3. The per-row confidence stop (``drafter.py`` applies it), only where
+   ``draftConfidence`` is set: a row drafts no further once the product of
+   the draft's probabilities of its drafts is below the bar.
+4. The modelled best depth, ``E(d) / (d t_d + t_v(d + 1))`` (``CostModel``),
+   caps the batch cap, and every ``EXPLORE_EVERY`` speculation steps one
+   step drafts at the batch cap, so the deeper positions' acceptance is
+   measured again instead of frozen at an early unlucky estimate.
 5. Not paying: after ``MIN_VERDICT_STEPS`` speculation steps, if target-only
    (``1 / t_v(1)``) beats the best depth by ``NOT_PAYING_MARGIN``, the engine
    decodes target-only and re-probes speculation after 16, 32, ... 256
@@ -58,7 +49,6 @@ from dataclasses import dataclass, field
 
 from specpair_runtime.config import (
     SpeculationKnobs,
-    measured_draft_confidence,
     resolved_draft_confidence,
     resolved_during_prefill,
 )
@@ -145,7 +135,7 @@ class DepthController:
     """The engine's depth policy: ``plan`` before a step, ``record`` after it."""
 
     knobs: SpeculationKnobs
-    device_type: str  # where the confidence stop's bar is measured, the cap defers to it
+    device_type: str  # the per-device defaults of ``duringPrefill``
     cost: CostModel = field(default_factory=CostModel)
     floor: AcceptanceFloor = field(init=False)
     speculation_steps: int = 0
@@ -173,17 +163,11 @@ class DepthController:
             return StepPlan(0, PREFILL)
         if cap == 0:
             return StepPlan(0, reason)
-        return StepPlan(cap, None, self.confidence(batch_size, cap))
+        return StepPlan(cap, None, self.confidence())
 
-    def confidence(self, batch_size: int, depth: int) -> float:
-        """The stop's bar at ``depth`` (0 = off): a set knob, the measured break-even
-        acceptance (rule 3), or the device's default until the costs are measured."""
-        fixed = resolved_draft_confidence(self.knobs, self.device_type)
-        if measured_draft_confidence(self.knobs, self.device_type):
-            measured = self.cost.break_even_confidence(max(batch_size, 1), depth)
-            if measured is not None:
-                return measured
-        return fixed
+    def confidence(self) -> float:
+        """The per-row stop's bar (0 = off): ``draftConfidence`` as set (rule 3)."""
+        return resolved_draft_confidence(self.knobs)
 
     def record(self, outcome: StepOutcome) -> None:
         """Learn from a step: decode-step timings, acceptance per position, the floor."""
@@ -244,8 +228,6 @@ class DepthController:
             # Paying after a full verdict window; the back-off starts over next time.
             self.cost.reprobing = False
             self.cost.backoff = FIRST_BACKOFF
-        if measured_draft_confidence(self.knobs, self.device_type):
-            return cap, None  # rule 3: the stop cuts each row at the same bar
         if cost_cap < cap and self.speculation_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             return cap, None  # re-measure the deeper positions
         return cost_cap, None

@@ -7,10 +7,10 @@ gets logits for its first draft token. Forwards 1..k-1 feed one drafted
 token per row that still drafts. A row leaves the later forwards when it
 has drafted its ``num_draft`` tokens, or when the draft itself expects its
 drafts to be rejected: the product of the probabilities it gave them (its
-estimate that all of them are accepted) is below the confidence threshold.
-A token pays only if every one before it is accepted, so the product, not
-the last token's own probability, is what the break-even bar is compared
-with. The rule reads a row's own draft distribution only, so it is lossless
+estimate that all of them are accepted) is below ``draftConfidence``,
+where that is set. A token pays only if every one before it is accepted,
+so the product, not the last token's own probability, is compared with the
+bar. The rule reads a row's own draft distribution only, so it is lossless
 and a row stops where it would alone, whatever its batch-mates.
 
 Shapes: the proposal is flat over the drafting rows in step order (vLLM's

@@ -235,9 +235,9 @@ class SpeculativeEngine:
 
     # ---- speculation state ------------------------------------------------------
 
-    def confidence_threshold(self, depth: int) -> float:
-        """The confidence stop's bar for a step of ``depth`` now (``depth.py``, rule 3)."""
-        return self.controller.confidence(self.scheduler.decoding_count, depth)
+    def confidence_threshold(self) -> float:
+        """The confidence stop's bar (``depth.py``, rule 3; 0 = off)."""
+        return self.controller.confidence()
 
     @property
     def speculation_active(self) -> bool:
