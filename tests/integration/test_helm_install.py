@@ -1,6 +1,8 @@
 """`helm install` of the operator chart into a real kube-apiserver with RBAC on,
-then the operator as a local process under the chart's ServiceAccount token
-(there is no kubelet to run its pod), reconciling the CPU sample pair."""
+then the operator as a local process under the chart's ServiceAccount token,
+reconciling the CPU sample pair: the chart's RBAC, checked without Docker.
+tests/e2e/test_node_e2e.py installs the same chart on a real node, where the
+operator runs as its pod."""
 
 from __future__ import annotations
 

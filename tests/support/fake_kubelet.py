@@ -1,10 +1,13 @@
-"""A stand-in kubelet: the only fake in the end-to-end tests.
+"""A stand-in kubelet, for `tests/e2e/test_vllm_e2e.py` alone.
 
-There is no kubelet (nor container runtime) on this machine, so this class
-plays one node against the real apiserver and controller-manager. Everything
-else in the e2e tests is real: the operator process, the Deployment and
-ReplicaSet controllers, and one real ``specpair-runtime serve`` process per
-pod. What it does, every ``poll`` seconds:
+Every other test that needs a running pod runs it on the real node
+(`tests/e2e/test_node_e2e.py`: kubelet v1.20 on Docker). Engine vllm's pod
+cannot run there: no image holds vLLM (its CPU build is a multi-gigabyte
+virtualenv in the cache, `make vllm-env`). So this class plays one node
+against the real apiserver and controller-manager, and starts the pod's
+containers as host processes. Everything else in that test is real: the
+operator process, the Deployment and ReplicaSet controllers, vLLM's own
+server and the gate. What it does, every ``poll`` seconds:
 
 - registers a Node and keeps its ``Ready`` heartbeat fresh;
 - binds each unscheduled pod of the namespace (there is no scheduler either);

@@ -213,7 +213,11 @@ def kubectl_patch(kubectl: Kubectl, ns: str, name: str, patch: dict[str, Any]) -
 
 
 def play_kubelet_ready(kubectl: Kubectl, ns: str, selector: str, limit: int | None = None) -> int:
-    """The fake kubelet: mark the selected pods Running and Ready. Returns how many."""
+    """Write the selected pods' status Running and Ready, as a kubelet would. Returns how many.
+
+    For operator tests that need a Pod's status, not a running pod (GPU pairs
+    on labelled Node objects); pods that run are in tests/e2e/test_node_e2e.py.
+    """
     pods = json.loads(kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json").stdout)
     now = _now()
     ready = [

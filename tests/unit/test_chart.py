@@ -168,11 +168,13 @@ def test_operator_pod_security_is_restricted(control_plane_binaries: Binaries) -
 
 
 def test_operator_args_are_accepted_by_the_real_cli(control_plane_binaries: Binaries) -> None:
-    container = operator_container(render(control_plane_binaries, {"resyncSeconds": "7"}))
+    container = operator_container(
+        render(control_plane_binaries, {"resyncSeconds": "7", "scrapeSeconds": "3"})
+    )
     args = operator_cli().parse_args(container["args"])
     assert args.command == "run"
     assert (args.metrics_port, args.metrics_address) == (8080, "0.0.0.0")
-    assert args.namespace == [] and args.resync_seconds == 7.0
+    assert args.namespace == [] and args.resync_seconds == 7.0 and args.scrape_seconds == 3.0
     assert args.liveness == "http://0.0.0.0:8081/healthz"
     probe = container["livenessProbe"]["httpGet"]
     assert probe["path"] == "/healthz" and probe["port"] == "health"

@@ -1,6 +1,9 @@
 """The images, checked without Docker: each Dockerfile is parsed (non-root
 USER, exec-form ENTRYPOINT matching what the operator runs, model cache on a
-volume, no torch in the operator image) and linted with hadolint."""
+volume, no torch in the operator image, installs from the staged wheelhouse
+only) and linted with hadolint. The CUDA image is checked only here: no
+registry can be reached to pull its base. `make images` builds the other two
+(tests/e2e/test_node_e2e.py runs them)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tools import images, wheelhouse
 
 from specpair_operator import builders
 from specpair_operator.api import parse_spec
@@ -122,19 +126,56 @@ def test_cuda_image_is_based_on_an_official_pytorch_cuda_image() -> None:
 
 
 def test_cpu_image_uses_the_cpu_torch_wheel_and_bakes_the_demo_models() -> None:
-    build, final = parse(RUNTIME_CPU)
-    assert build.base.startswith("python:3.11") and final.base == build.base
+    deps, build, final = parse(RUNTIME_CPU)
+    assert deps.base.startswith("python:3.11") and final.base == deps.base
+    assert build.base == "deps"  # the project's wheel is built over the installed dependencies
+    assert "pip install --quiet torch==2.13.0" in " ".join(deps.all("RUN"))
     run = " ".join(build.all("RUN"))
-    assert "download.pytorch.org/whl/cpu" in run and "torch==2.13.0" in run
+    # The wheelhouse holds the CPU wheel (tools/wheelhouse.py), so pip takes that one.
+    assert wheelhouse.TORCH_WHEEL_GLOB.startswith("torch-2.13.0+cpu-cp311")
     assert "-m tools.make_demo_models --output /opt/specpair/models/demo" in run
-    assert any(c.endswith("/opt/specpair/models /opt/specpair/models") for c in final.all("COPY"))
+    # The files are written 0600; the runtime reads them as UID 65532.
+    assert "chmod -R a+rX /opt/specpair/models" in run
+    assert "--from=build /opt/specpair/models /opt/specpair/models" in final.all("COPY")
+    assert "/tmp" in exec_form(final.last("VOLUME"))
+
+
+@pytest.mark.parametrize("path", [RUNTIME_CPU, OPERATOR], ids=["cpu-image", "operator-image"])
+def test_local_images_install_from_the_wheelhouse_only(path: Path) -> None:
+    """No index: the build runs with --network=none and pip reads /wheels alone."""
+    stages = parse(path)
+    deps = stages[0]
+    env = " ".join(deps.all("ENV"))
+    assert "PIP_NO_INDEX=1" in env and "PIP_FIND_LINKS=/wheels" in env
+    assert "wheelhouse/ /wheels/" in deps.all("COPY")
+    assert "pip install --quiet -r requirements.txt" in " ".join(deps.all("RUN"))
+    # The project itself: its wheel alone, over the dependencies, with no index.
+    final_run = " ".join(stages[-1].all("RUN"))
+    assert "pip install --quiet --no-index --no-deps /tmp/dist/*.whl" in final_run
+    assert all("--index-url" not in " ".join(s.all("RUN")) for s in stages)
+
+
+@pytest.mark.parametrize("recipe", [images.RUNTIME_CPU, images.OPERATOR], ids=lambda r: str(r.kind))
+def test_the_staged_context_holds_what_the_dockerfile_copies(recipe: images.ImageRecipe) -> None:
+    staged = set(images.source_files(ROOT, recipe.sources))
+    staged |= {s.rstrip("/") for s in images.STAGED}
+    for stage in parse(ROOT / recipe.dockerfile):
+        for args in stage.all("COPY"):
+            if "--from=" in args:
+                continue
+            for src in args.split()[:-1]:
+                wanted = src.rstrip("/")
+                assert any(f == wanted or f.startswith(wanted + "/") for f in staged), (
+                    f"{recipe.dockerfile}: COPY {src} is not in the context tools/images.py stages"
+                )
 
 
 def test_demo_model_script_needs_only_what_the_image_copies() -> None:
     """The CPU image copies a few test-support files; they must be enough."""
     copied = {
         src
-        for args in parse(RUNTIME_CPU)[0].all("COPY")
+        for stage in parse(RUNTIME_CPU)
+        for args in stage.all("COPY")
         for src in args.split()[:-1]
         if not src.startswith("--")
     }
@@ -150,8 +191,10 @@ def test_demo_model_script_needs_only_what_the_image_copies() -> None:
 def test_operator_image_has_no_torch() -> None:
     stages = parse(OPERATOR)
     text = " ".join(args for stage in stages for _, args in stage.instructions)
-    assert '".[operator]"' in text
+    # Its requirements.txt is the operator extra's (tools/images.py stages it).
+    assert images.OPERATOR.extra == "operator"
     assert "[runtime]" not in text and "torch==" not in text
+    assert "find_spec('torch') is None" in text
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     installed = [*project["dependencies"], *project["optional-dependencies"]["operator"]]
     names = {re.split(r"[=<>\[ ]", req)[0].lower() for req in installed}
@@ -183,6 +226,8 @@ def test_dockerignore_keeps_what_the_dockerfiles_copy() -> None:
                 if "--from=" in args:
                     continue
                 for src in args.split()[:-1]:
+                    if src in images.STAGED:  # tools/images.py writes these
+                        continue
                     assert (ROOT / src).exists(), f"{dockerfile}: COPY {src}: no such path"
                     assert not ignored(src.rstrip("/")), f"{dockerfile}: COPY {src} is ignored"
     assert ignored(".venv") and ignored("tests/unit/test_chart.py")

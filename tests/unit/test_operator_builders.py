@@ -258,6 +258,11 @@ def test_unset_serving_options_keep_the_runtime_defaults() -> None:
         assert getattr(serving, name) == getattr(defaults, name), name
     pod = builders.deployment(PAIR, spec, REV)["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 45  # the default 30 s drain + 15
+    # Before SIGTERM, a pause for the endpoints to drop the pod, within the slack.
+    (container,) = pod["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop == ["sleep", str(builders.ENDPOINT_GRACE_SECONDS)]
+    assert builders.ENDPOINT_GRACE_SECONDS < api.SHUTDOWN_SLACK_SECONDS
     assert "nearTieMargin" not in yaml.safe_load(cm["data"]["golden.yaml"])
 
 

@@ -1,4 +1,4 @@
-"""The termination message: the runtime writes it; the kubelet (played by the harness) reads it."""
+"""The termination message the runtime writes (the real kubelet reads it in tests/e2e)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from specpair_runtime import termination
-from tests.support.fake_kubelet import termination_message
 
 
 def test_writes_the_message_into_the_existing_file(tmp_path: Path) -> None:
@@ -44,24 +43,3 @@ def test_long_messages_are_cut_to_what_the_kubelet_keeps() -> None:
     assert len(clipped) <= termination.MAX_BYTES
     assert clipped.endswith(b"...")
     clipped.decode()  # never cut inside a character
-
-
-# The kubelet's rules (pkg/kubelet/kuberuntime: the file first; the log tail only as a
-# fallback, only under FallbackToLogsOnError and only after a failed exit).
-def test_the_file_wins_under_both_policies() -> None:
-    for policy in ("File", "FallbackToLogsOnError"):
-        assert termination_message("bad config", policy, 1, "log line") == "bad config"
-
-
-def test_the_log_tail_only_under_fallback_after_a_failed_exit() -> None:
-    log = "".join(f"line {i}\n" for i in range(100))
-    tail = termination_message("", "FallbackToLogsOnError", 2, log)
-    assert tail.startswith("line 20\n") and tail.endswith("line 99\n")  # the last 80 lines
-    assert termination_message("", "File", 2, log) == ""
-    assert termination_message("", "FallbackToLogsOnError", 0, log) == ""
-
-
-def test_the_kubelet_limits() -> None:
-    assert len(termination_message("x" * 10000, "File", 1, "")) == 4096
-    tail = termination_message("", "FallbackToLogsOnError", 1, "y" * 10000 + "\n")
-    assert len(tail.encode()) == 2048
