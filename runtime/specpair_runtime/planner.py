@@ -119,6 +119,49 @@ def gib(value: int) -> str:
     return f"{value / GIB:.2f} GiB"
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    mode: Mode
+    required_bytes: int
+    overhead_bytes: int
+    reason: str
+
+
+def _fit_verdict(
+    pair: int,
+    target_only: int,
+    usable: int,
+    budget: str,
+    *,
+    pair_overhead: int,
+    target_overhead: int,
+    layout: str = "",
+    hint: str = "",
+    problem: str | None = None,
+) -> _Verdict:
+    """Which of the pair fits in ``usable`` bytes, and why, in words that name the bytes.
+
+    ``layout`` (" with TP 2") and ``hint`` (where it would fit instead) go into the
+    reason; ``problem``: the GPUs cannot be laid out at all.
+    """
+    if problem is not None:
+        return _Verdict("DoesNotFit", pair, pair_overhead, problem + hint)
+    if pair <= usable:
+        reason = f"target and draft fit{layout}: need {gib(pair)} of {budget}"
+        return _Verdict("Colocated", pair, pair_overhead, reason)
+    if target_only <= usable:
+        reason = (
+            f"draft needs {gib(pair - usable)} more{layout}: the pair needs {gib(pair)} "
+            f"but only {budget}; speculation is off{hint}"
+        )
+        return _Verdict("TargetOnly", target_only, target_overhead, reason)
+    reason = (
+        f"target needs {gib(target_only - usable)} more{layout}: it alone needs "
+        f"{gib(target_only)} but only {budget}{hint}"
+    )
+    return _Verdict("DoesNotFit", target_only, target_overhead, reason)
+
+
 def plan(
     target: ModelGeometry,
     draft: ModelGeometry,
@@ -159,21 +202,15 @@ def plan(
             overhead_bytes=overhead,
         )
 
-    both_overhead = RUNTIME_OVERHEAD_BYTES + DRAFT_OVERHEAD_BYTES
-    if pair <= usable:
-        reason = f"target and draft fit: need {gib(pair)} of {budget}"
-        return result("Colocated", pair, both_overhead, reason)
-    if target_only <= usable:
-        reason = (
-            f"draft needs {gib(pair - usable)} more: the pair needs {gib(pair)} "
-            f"but only {budget}; speculation is off"
-        )
-        return result("TargetOnly", target_only, RUNTIME_OVERHEAD_BYTES, reason)
-    reason = (
-        f"target needs {gib(target_only - usable)} more: it alone needs {gib(target_only)} "
-        f"but only {budget}"
+    verdict = _fit_verdict(
+        pair,
+        target_only,
+        usable,
+        budget,
+        pair_overhead=RUNTIME_OVERHEAD_BYTES + DRAFT_OVERHEAD_BYTES,
+        target_overhead=RUNTIME_OVERHEAD_BYTES,
     )
-    return result("DoesNotFit", target_only, RUNTIME_OVERHEAD_BYTES, reason)
+    return result(verdict.mode, verdict.required_bytes, verdict.overhead_bytes, verdict.reason)
 
 
 # --- vLLM's layout: tensor parallelism over one or more nodes -----------------------------
@@ -341,14 +378,6 @@ def _fewest_gpus_hint(request: ParallelRequest, smallest: int | None) -> str:
     return ""
 
 
-@dataclass(frozen=True)
-class _Verdict:
-    mode: Mode
-    required_bytes: int
-    overhead_bytes: int
-    reason: str
-
-
 def _parallel_verdict(
     request: ParallelRequest,
     target_est: ModelEstimate,
@@ -368,22 +397,17 @@ def _parallel_verdict(
         f"{gib(usable)} usable {where} ({gib(request.device_bytes)} less "
         f"{request.headroom_fraction:.0%} headroom)"
     )
-    if problem is not None:
-        return _Verdict("DoesNotFit", pair, reserve_pair, problem + hint)
-    if pair <= usable:
-        reason = f"target and draft fit with {split}: need {gib(pair)} of {budget}"
-        return _Verdict("Colocated", pair, reserve_pair, reason)
-    if target_only <= usable:
-        reason = (
-            f"draft needs {gib(pair - usable)} more with {split}: the pair needs {gib(pair)} "
-            f"but only {budget}; speculation is off{hint}"
-        )
-        return _Verdict("TargetOnly", target_only, reserve_only, reason)
-    reason = (
-        f"target needs {gib(target_only - usable)} more with {split}: it alone needs "
-        f"{gib(target_only)} but only {budget}{hint}"
+    return _fit_verdict(
+        pair,
+        target_only,
+        usable,
+        budget,
+        pair_overhead=reserve_pair,
+        target_overhead=reserve_only,
+        layout=f" with {split}",
+        hint=hint,
+        problem=problem,
     )
-    return _Verdict("DoesNotFit", target_only, reserve_only, reason)
 
 
 def plan_parallel(target: ModelGeometry, draft: ModelGeometry, request: ParallelRequest) -> Plan:
