@@ -345,12 +345,12 @@ def container(spec: SpeculativePairSpec, mounts: list[dict[str, Any]]) -> dict[s
     }
 
 
-def deployment(pair: PairRef, spec: SpeculativePairSpec, revision: str) -> Manifest:
-    """The Deployment; its pod template carries the revision, so a new one rolls out."""
-    volumes, mounts = _volumes(pair, spec, revision)
-    pod_labels = {**labels(pair, spec), REVISION_LABEL: revision}
+def runtime_pod_spec(
+    spec: SpeculativePairSpec, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A runtime pod's spec: non-root, no service-account token, the pair's scheduling."""
     pod_spec: dict[str, Any] = {
-        "containers": [container(spec, mounts)],
+        "containers": containers,
         "volumes": volumes,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -371,6 +371,14 @@ def deployment(pair: PairRef, spec: SpeculativePairSpec, revision: str) -> Manif
         pod_spec["tolerations"] = [t.to_wire() for t in scheduling.tolerations]
     if scheduling.affinity:
         pod_spec["affinity"] = scheduling.affinity
+    return pod_spec
+
+
+def deployment(pair: PairRef, spec: SpeculativePairSpec, revision: str) -> Manifest:
+    """The Deployment; its pod template carries the revision, so a new one rolls out."""
+    volumes, mounts = _volumes(pair, spec, revision)
+    pod_labels = {**labels(pair, spec), REVISION_LABEL: revision}
+    pod_spec = runtime_pod_spec(spec, [container(spec, mounts)], volumes)
     return _stamped(
         {
             "apiVersion": "apps/v1",

@@ -266,27 +266,7 @@ def pod_template(
     containers = [vllm_container(spec, shape, args, vllm_mounts)]
     if leader:
         containers.append(gate_container(spec, shape, gate_mounts))
-    pod_spec: dict[str, Any] = {
-        "containers": containers,
-        "volumes": volumes,
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": builders.termination_grace_seconds(spec),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-            "fsGroup": RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-    }
-    scheduling = spec.scheduling
-    if scheduling.node_selector:
-        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
-    if scheduling.tolerations:
-        pod_spec["tolerations"] = [t.to_wire() for t in scheduling.tolerations]
-    if scheduling.affinity:
-        pod_spec["affinity"] = scheduling.affinity
+    pod_spec = builders.runtime_pod_spec(spec, containers, volumes)
     return {
         "metadata": {
             "labels": pod_labels(pair, spec, revision),
