@@ -141,8 +141,9 @@ def test_acceptance_parser_reads_vllm_counters(speculative: VllmServer) -> None:
     assert positions == sorted(positions, reverse=True)
     assert sum(positions) == sample.accepted
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in text
-    # Each drafting step commits its accepted drafts and one token of the target's.
-    assert sample.steps + sample.accepted <= sample.generated
+    # Every accepted draft is a generated token; a step cut short by max_tokens
+    # commits fewer than its accepted drafts plus one, so no tighter bound holds.
+    assert 0 < sample.accepted < sample.generated
 
 
 # --- the gate sidecar -------------------------------------------------------------------
