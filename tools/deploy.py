@@ -37,16 +37,20 @@ class DeployError(RuntimeError):
 
 
 def wait_until(
-    probe: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.2
+    probe: Callable[[], T | None],
+    what: str,
+    timeout: float = 60.0,
+    interval: float = 0.2,
+    error: type[Exception] = DeployError,
 ) -> T:
-    """Poll ``probe`` until it returns something truthy; raise naming ``what``."""
+    """Poll ``probe`` until it returns something truthy; raise ``error`` naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise DeployError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise error(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 import urllib.error
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tools.control_plane import ControlPlane
+from tools.deploy import wait_until
 
 PAIRS = "/apis/specpair.dev/v1alpha1/namespaces/{ns}/speculativepairs"
 T = TypeVar("T")
@@ -17,14 +17,7 @@ def wait_for(
     probe: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.2
 ) -> T:
     """Poll ``probe`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(probe, what, timeout, interval, error=AssertionError)
 
 
 def get_or_none(plane: ControlPlane, path: str) -> dict[str, Any] | None:
