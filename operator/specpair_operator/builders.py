@@ -216,15 +216,16 @@ def config_map(
     )
 
 
-def _resources(spec: SpeculativePairSpec) -> dict[str, Any]:
+def container_resources(spec: SpeculativePairSpec, gpus_per_pod: int) -> dict[str, Any]:
+    """The container's requests and limits: the pair's CPU and memory, and its GPUs per pod."""
     amounts: dict[str, str] = {}
     res = spec.resources
     if res.cpu is not None:
         amounts["cpu"] = res.cpu
     if res.memory is not None:
         amounts["memory"] = res.memory
-    if res.gpus > 0:
-        amounts["nvidia.com/gpu"] = str(res.gpus)
+    if gpus_per_pod > 0:
+        amounts["nvidia.com/gpu"] = str(gpus_per_pod)
     # Requests equal limits: a pair is latency-bound and must not be overcommitted.
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
@@ -319,7 +320,7 @@ def container(spec: SpeculativePairSpec, mounts: list[dict[str, Any]]) -> dict[s
         "args": ["serve", "--config", CONFIG_FILE],
         "ports": [{"name": PORT_NAME, "containerPort": spec.serving.port, "protocol": "TCP"}],
         "env": _env(spec),
-        "resources": _resources(spec),
+        "resources": container_resources(spec, spec.resources.gpus),
         "volumeMounts": mounts,
         # Loading both models (and the golden prompts) can take minutes; the
         # startupProbe holds liveness off until then.

@@ -183,18 +183,6 @@ def _security() -> dict[str, Any]:
     }
 
 
-def _vllm_resources(spec: SpeculativePairSpec, shape: Layout) -> dict[str, Any]:
-    amounts: dict[str, str] = {}
-    res = spec.resources
-    if res.cpu is not None:
-        amounts["cpu"] = res.cpu
-    if res.memory is not None:
-        amounts["memory"] = res.memory
-    if res.gpus > 0:
-        amounts["nvidia.com/gpu"] = str(shape.gpus_per_pod)
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
-
-
 def vllm_container(
     spec: SpeculativePairSpec, shape: Layout, args: list[str], mounts: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -207,7 +195,9 @@ def vllm_container(
         "command": ["vllm", "serve"],
         "args": args,
         "env": _env(spec, shape, gate=False),
-        "resources": _vllm_resources(spec, shape),
+        "resources": builders.container_resources(
+            spec, shape.gpus_per_pod if spec.resources.gpus > 0 else 0
+        ),
         "volumeMounts": mounts,
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
