@@ -15,10 +15,13 @@ export TRANSFORMERS_OFFLINE := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 # Test processes for `make test` (pytest-xdist; 0 runs in this process). Each
-# file stays on one worker (--dist loadfile), so module fixtures such as the
-# loaded real pair are built once; each worker starts its own control plane.
+# file stays on one worker (--dist loadfile; tests/conftest.py keeps the files
+# that load the real pair on one worker together), so module fixtures such as
+# the loaded real pair are built once; each worker starts its own control plane.
 # Two workers overlap the tests that wait (control plane, servers, sleeps)
 # with those that compute: 12 instead of 17 minutes on a 2-core AMD EPYC.
+# Files start longest first (tests/conftest.py); --no-loadscope-reorder keeps
+# that order instead of xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 # `make images` builds these two locally (no registry); the node and the
 # end-to-end test run them. RUNTIME_IMAGE is the CUDA image, for a registry.
@@ -63,7 +66,7 @@ run: models ## Demo: stream a coding completion from the real pair, with speedup
 
 .PHONY: test
 test: models control-plane vllm-env test-images ## Run the whole test suite (starts and stops the control plane and node)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The images for the end-to-end test; where Docker cannot run here (not root),
 # it says why and the tests that need the node skip with that reason.
