@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 # Test processes for `make test` (pytest-xdist; 0 runs in this process). Each
 # file stays on one worker (--dist loadfile; tests/conftest.py keeps the files
-# that load the real pair on one worker together), so module fixtures such as
+# that need several GiB on one worker, in turn), so module fixtures such as
 # the loaded real pair are built once; each worker starts its own control plane.
 # Two workers overlap the tests that wait (control plane, servers, sleeps)
 # with those that compute: 12 instead of 17 minutes on a 2-core AMD EPYC.

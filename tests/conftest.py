@@ -38,32 +38,33 @@ def file_rank(items: list[pytest.Item]) -> dict[str, int]:
     return ranks
 
 
-# The files that load the real pair (several GiB each) run on one worker, one
-# after another: two at once leave vLLM too little memory for its KV cache on
-# a 24 GiB machine.
-ONE_WORKER_FOR_THE_REAL_PAIR = frozenset(
+# The files whose processes need several GiB (the real pair, in process or in
+# vLLM; vLLM with tensor parallelism) run on one worker, one after another: two
+# at once left vLLM under 1 GiB for its KV cache on a 24 GiB machine.
+ONE_WORKER_FOR_BIG_MEMORY = frozenset(
     {
+        "tests/integration/test_vllm_engine.py",
+        "tests/integration/test_vllm_real_pair.py",
         "tests/integration/test_real_pair.py",
         "tests/integration/test_structured_real_pair.py",
-        "tests/integration/test_vllm_real_pair.py",
         "tests/integration/test_cuda_real_pair.py",
     }
 )
 
 
-class FilesAndRealPairScheduling(LoadFileScheduling):  # type: ignore[misc]
-    """--dist loadfile, except that the real-pair files form one unit of work."""
+class FilesAndBigMemoryScheduling(LoadFileScheduling):  # type: ignore[misc]
+    """--dist loadfile, except that the big-memory files form one unit of work."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = super()._split_scope(nodeid)
-        return "the real pair" if path in ONE_WORKER_FOR_THE_REAL_PAIR else path
+        return "big memory" if path in ONE_WORKER_FOR_BIG_MEMORY else path
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
-    """Under --dist loadfile, schedule with FilesAndRealPairScheduling; else xdist's own."""
+    """Under --dist loadfile, schedule with FilesAndBigMemoryScheduling; else xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
-    return FilesAndRealPairScheduling(config, log)
+    return FilesAndBigMemoryScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
