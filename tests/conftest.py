@@ -60,6 +60,7 @@ class FilesAndBigMemoryScheduling(LoadFileScheduling):  # type: ignore[misc]
         return "big memory" if path in ONE_WORKER_FOR_BIG_MEMORY else path
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist may be absent (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
     """Under --dist loadfile, schedule with FilesAndBigMemoryScheduling; else xdist's own."""
     if config.getvalue("dist") != "loadfile":
